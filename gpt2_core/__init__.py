@@ -1,0 +1,25 @@
+"""GPT-2 inference in NumPy, one chapter at a time.
+
+The public API, stable across chapters:
+
+* ``load_model(name_or_path=None)`` / ``random_model(name_or_config, seed=0)`` -> ``GPT2Model``
+* ``forward(model, token_ids) -> logits [T, V]`` (chapter 1)
+* ``generate(model, token_ids, max_new_tokens, temperature=0, top_k=None, top_p=None, seed=None)`` and
+  ``generate_stream(...)`` (chapter 1's naive loop)
+* ``model.tokenizer.encode(text)`` / ``.decode(ids)`` (``Tokenizer``)
+"""
+
+from .config import PRESETS, GPT2Config
+from .errors import CheckpointError, GPT2Error, InvalidInputError
+from .generation import generate, generate_stream
+from .model import forward
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+from .weights import GPT2Model, load_model, random_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPT2Config", "PRESETS", "GPT2Error", "CheckpointError", "InvalidInputError", "GPT2Model", "load_model",
+    "random_model", "forward", "generate", "generate_stream", "SamplingParams", "Tokenizer",
+]

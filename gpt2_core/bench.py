@@ -1,0 +1,218 @@
+"""Benchmarks (commands, not tests): ``python -m gpt2_core bench NAME [--json PATH] [--quick]``.
+
+All on random weights of GPT-2 124M's shape, float32, every method measured in the same run so that ratios are
+fair on a noisy machine. Output: ``{"machine": {...}, "results": [{"method", "batch", "tokens_per_s", ...}]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from . import kv_cache
+from .generation import next_token_logits
+from .measure import QUICK, blas_threads, machine_info, median_time
+from .weights import GPT2Model, random_model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Machine limits
+
+
+def gemv_bandwidth(rows: int = 768, cols: int = 50257, repeats: int = 7) -> float:
+    """Bytes/s a BLAS matrix-vector product streams: the ceiling of batch-1 decoding, which reads every weight
+    once per token. Measured on the LM head's shape (the largest GEMV in the model, 154 MB: well past cache)."""
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((cols, rows), dtype=np.float32)  # as wte is stored: [V, E]
+    x = rng.standard_normal((1, rows), dtype=np.float32)
+    seconds = median_time(lambda: x @ W.T, repeats=repeats)
+    return W.nbytes / seconds
+
+
+def gemm_flops(m: int = 32, k: int = 768, n: int = 3072, repeats: int = 7) -> float:
+    """FLOP/s of a float32 matmul of the given shape (2*m*k*n FLOPs per call)."""
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((m, k), dtype=np.float32)
+    B = rng.standard_normal((k, n), dtype=np.float32)
+    return 2 * m * k * n / median_time(lambda: A @ B, repeats=repeats)
+
+
+def weight_bytes_per_token(model: GPT2Model) -> int:
+    """Bytes of weights one decode step must read: all of them, except the position table (one row is read)."""
+    return model.nbytes() - model.params["wpe"].nbytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Chapter 2: naive vs KV cache
+
+
+def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int) -> list[float]:
+    """Seconds of each ``decode_step`` while generating ``new_tokens`` after a random prompt (greedy)."""
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, model.config.vocab_size, size=prompt_len)
+    logits, cache = kv_cache.prefill(model, prompt, capacity=prompt_len + new_tokens, last_only=True)
+    token, times = int(np.argmax(logits[0])), []
+    for _ in range(new_tokens):
+        t0 = time.perf_counter()
+        logits = kv_cache.decode_step(model, token, cache)
+        times.append(time.perf_counter() - t0)
+        token = int(np.argmax(logits))
+    return times
+
+
+def hf_decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, threads: int) -> list[float] | None:
+    """The same loop with HuggingFace transformers (torch, CPU, its own KV cache), or None if not installed."""
+    try:
+        import torch
+        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    c = model.config
+    hf = GPT2LMHeadModel(HFConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
+                                  n_head=c.n_head, n_layer=c.n_layer)).eval()
+    ids = torch.randint(0, c.vocab_size, (1, prompt_len))
+    times = []
+    with torch.inference_mode():
+        out = hf(ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(new_tokens):
+            t0 = time.perf_counter()
+            out = hf(token, past_key_values=past, use_cache=True)
+            times.append(time.perf_counter() - t0)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return times
+
+
+def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> dict[str, float]:
+    """Median milliseconds of each part of one decode step at ``position``: where the time goes."""
+    from .model import attention, gelu, layer_norm
+
+    c, p = model.config, model.params
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, c.n_embd), dtype=np.float32)
+    h = rng.standard_normal((1, 4 * c.n_embd), dtype=np.float32)
+    q = rng.standard_normal((c.n_head, 1, c.head_dim), dtype=np.float32)
+    k = rng.standard_normal((c.n_layer, c.n_head, position, c.head_dim), dtype=np.float32)
+    blocks = p["h"]
+
+    def every_layer(fn):  # each layer's own weights, as a real step reads them (not one cache-hot matrix)
+        return lambda: [fn(i, b) for i, b in enumerate(blocks)]
+
+    parts = {
+        "c_attn (E x 3E)": every_layer(lambda i, b: x @ b["attn"]["c_attn"]["weight"]),
+        "attn c_proj (E x E)": every_layer(lambda i, b: x @ b["attn"]["c_proj"]["weight"]),
+        "mlp c_fc (E x 4E)": every_layer(lambda i, b: x @ b["mlp"]["c_fc"]["weight"]),
+        "mlp c_proj (4E x E)": every_layer(lambda i, b: h @ b["mlp"]["c_proj"]["weight"]),
+        "attention over the cache": every_layer(lambda i, b: attention(q, k[i], k[i])),
+        "layer norms + GELU": every_layer(lambda i, b: (layer_norm(x, **b["ln_1"], eps=1e-5),
+                                                        layer_norm(x, **b["ln_2"], eps=1e-5), gelu(h))),
+    }
+    ms = {name: 1e3 * median_time(fn, repeats=repeats) for name, fn in parts.items()}
+    ms["lm head (E x V)"] = 1e3 * median_time(lambda: x @ p["wte"].T, repeats=repeats)
+    return ms
+
+
+def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
+    model = random_model("gpt2", seed=0)
+    threads = threads or _current_blas_threads()
+    prompt_len = 16
+    positions = [16, 32, 64, 128] if quick else [16, 64, 128, 256, 384, 512]
+    new_tokens = positions[-1] - prompt_len
+    repeats = 3 if quick else 5
+    results = []
+    rng = np.random.default_rng(0)
+    # naive: one step at position n is a full forward over n tokens
+    naive = {}
+    for n in positions:
+        seq = rng.integers(0, model.config.vocab_size, size=n)
+        naive[n] = median_time(lambda: next_token_logits(model, seq), repeats=repeats)
+    # KV cache: decode steps over the same range of positions, repeated
+    runs = [decode_step_times(model, prompt_len, new_tokens) for _ in range(repeats)]
+    step = np.median(np.array(runs), axis=0)  # [new_tokens] median over runs, step i is at position 16 + i
+    cached = {n: float(np.median(step[max(0, n - prompt_len - 4): n - prompt_len + 4])) for n in positions}
+    naive_total = sum(np.interp(np.arange(prompt_len, positions[-1]), positions, [naive[n] for n in positions]))
+    for n in positions:
+        results.append({"method": "naive", "batch": 1, "position": n, "seconds_per_token": naive[n],
+                        "tokens_per_s": 1 / naive[n]})
+        results.append({"method": "kv_cache", "batch": 1, "position": n, "seconds_per_token": cached[n],
+                        "tokens_per_s": 1 / cached[n]})
+    decode_tps = 1 / float(np.median(step))
+    results.append({"method": "kv_cache", "batch": 1, "position": "all", "prompt_len": prompt_len,
+                    "new_tokens": new_tokens, "tokens_per_s": decode_tps})
+    results.append({"method": "naive", "batch": 1, "position": "all", "prompt_len": prompt_len,
+                    "new_tokens": new_tokens, "tokens_per_s": new_tokens / naive_total,
+                    "note": "from the per-position medians above, interpolated"})
+    hf = [hf_decode_step_times(model, prompt_len, new_tokens, threads) for _ in range(repeats)]
+    hf_tps = None if hf[0] is None else 1 / float(np.median(np.array(hf)))
+    if hf_tps is not None:
+        results.append({"method": "hf_transformers", "batch": 1, "position": "all", "prompt_len": prompt_len,
+                        "new_tokens": new_tokens, "tokens_per_s": hf_tps, "threads": threads})
+    bandwidth = gemv_bandwidth()
+    results.append({"method": "bandwidth_bound", "batch": 1, "tokens_per_s": bandwidth / weight_bytes_per_token(model),
+                    "gemv_bytes_per_s": bandwidth, "weight_bytes_per_token": weight_bytes_per_token(model)})
+    prefill_len = 128 if quick else 512
+    prompt = rng.integers(0, model.config.vocab_size, size=prefill_len)
+    t_prefill = median_time(lambda: kv_cache.prefill(model, prompt, last_only=True), repeats=repeats)
+    results.append({"method": "kv_cache", "phase": "prefill", "batch": 1, "prompt_len": prefill_len,
+                    "tokens_per_s": prefill_len / t_prefill, "seconds": t_prefill})
+    profile = profile_decode_step(model, positions[-1] // 2)
+    ratios = {
+        "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],
+        "kv_cache_over_hf": None if hf_tps is None else decode_tps / hf_tps,
+        "kv_cache_fraction_of_bandwidth_bound": decode_tps / (bandwidth / weight_bytes_per_token(model)),
+    }
+    return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
+            "results": results, "ratios": ratios, "profile_ms_per_step": profile}
+
+
+def _current_blas_threads() -> int:
+    from .measure import blas_info
+
+    info = blas_info()
+    return int(info[0]["num_threads"]) if info else (os.cpu_count() or 1)
+
+
+BENCHMARKS = {"kv-cache": bench_kv_cache}
+
+
+def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
+                  threads: int | None = None) -> dict:
+    if name not in BENCHMARKS:
+        from .errors import InvalidInputError
+
+        raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
+    quick = quick or QUICK
+    with blas_threads(threads):
+        kwargs = {"quick": quick}
+        if trace is not None:
+            kwargs["trace"] = trace
+        out = {"machine": machine_info(), **BENCHMARKS[name](**kwargs)}
+    text = json.dumps(out, indent=2, default=float)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+    _print_summary(out)
+    return out
+
+
+def _print_summary(out: dict) -> None:
+    w = sys.stdout.write
+    w(f"{out['benchmark']}  ({out['model']}; numpy {out['machine']['numpy']}, "
+      f"BLAS {[(b['internal_api'], b['num_threads']) for b in out['machine']['blas']]}, "
+      f"load {out['machine']['load_average_1min']})\n")
+    for r in out["results"]:
+        extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
+                          not isinstance(v, float))
+        w(f"  {r['method']:16s} batch {r['batch']:>3}  {r['tokens_per_s']:9.2f} tok/s  {extra}\n")
+    for k, v in out.get("ratios", {}).items():
+        w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")
+    if "profile_ms_per_step" in out:
+        total = sum(out["profile_ms_per_step"].values())
+        w("  where a decode step's time goes (ms per step, all layers):\n")
+        for k, v in out["profile_ms_per_step"].items():
+            w(f"    {k:26s} {v:7.2f} ms  {100 * v / total:5.1f}%\n")

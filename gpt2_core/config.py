@@ -1,0 +1,108 @@
+"""GPT-2 hyper-parameters: the handful of numbers in an HF ``config.json`` that fix every tensor's shape."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257  # rows of the token embedding (and of the tied LM head)
+    n_positions: int = 1024  # context length n_ctx: rows of the position embedding
+    n_embd: int = 768  # width of the residual stream
+    n_head: int = 12  # attention heads; head_dim = n_embd // n_head
+    n_layer: int = 12  # transformer blocks
+    layer_norm_epsilon: float = 1e-5
+    eos_token_id: int | None = None  # <|endoftext|> (50256 in GPT-2); generation stops here
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise CheckpointError(f"config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise CheckpointError(f"config: eos_token_id={self.eos_token_id} outside vocab_size={self.vocab_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def n_ctx(self) -> int:
+        return self.n_positions
+
+    def num_parameters(self) -> int:
+        """Parameters with the LM head tied to ``wte`` (counted once), as HF reports them."""
+        E, V, P, L = self.n_embd, self.vocab_size, self.n_positions, self.n_layer
+        per_block = 2 * 2 * E + (E * 3 * E + 3 * E) + (E * E + E) + (E * 4 * E + 4 * E) + (4 * E * E + E)
+        return V * E + P * E + L * per_block + 2 * E
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPT2Config":
+        """Read the GPT-2 fields of an HF config dict (other keys, e.g. ``activation_function``, are ignored)."""
+        missing = [k for k in ("vocab_size", "n_embd", "n_head", "n_layer") if k not in d]
+        if missing:
+            raise CheckpointError(f"config.json: missing {', '.join(missing)}")
+        if d.get("model_type", "gpt2") != "gpt2":
+            raise CheckpointError(f"config.json: model_type is {d['model_type']!r}, expected 'gpt2'")
+        if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(
+                f"config.json: activation_function {d['activation_function']!r} is not GPT-2's tanh GELU")
+        eos = d.get("eos_token_id", 50256 if d["vocab_size"] > 50256 else None)
+        return cls(
+            vocab_size=d["vocab_size"],
+            n_positions=d.get("n_positions", d.get("n_ctx", 1024)),
+            n_embd=d["n_embd"],
+            n_head=d["n_head"],
+            n_layer=d["n_layer"],
+            layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "GPT2Config":
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: config.json not found") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{path}: expected a JSON object")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# The released checkpoints (https://huggingface.co/openai-community/*, distilbert/distilgpt2).
+PRESETS: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(n_embd=768, n_head=12, n_layer=12, eos_token_id=50256),
+    "gpt2-medium": GPT2Config(n_embd=1024, n_head=16, n_layer=24, eos_token_id=50256),
+    "gpt2-large": GPT2Config(n_embd=1280, n_head=20, n_layer=36, eos_token_id=50256),
+    "gpt2-xl": GPT2Config(n_embd=1600, n_head=25, n_layer=48, eos_token_id=50256),
+    "distilgpt2": GPT2Config(n_embd=768, n_head=12, n_layer=6, eos_token_id=50256),
+}
+
+# Hub repository of each preset (the short names are aliases on the hub too).
+HUB_REPOS: dict[str, str] = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "distilgpt2": "distilbert/distilgpt2",
+}
+
+
+def preset(name: str) -> GPT2Config:
+    key = name.split("/")[-1]
+    if key not in PRESETS:
+        raise CheckpointError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[key]

@@ -1,0 +1,99 @@
+"""Real GPT-2 checkpoints by name ("gpt2", "distilgpt2", "owner/repo"), through huggingface_hub.
+
+huggingface_hub is an optional extra (``pip install 'gpt2-numpy[hub]'``) and is imported only when a name is used.
+``download`` puts ``config.json``, the weights (``model.safetensors``, else ``pytorch_model.bin``) and the tokenizer
+(``tokenizer.json``, else ``vocab.json`` + ``merges.txt``) into the standard HF cache (``~/.cache/huggingface``,
+shared with transformers) and returns the snapshot folder holding them, which ``load_model`` then reads like
+any local folder. It looks in the cache first, so a model downloaded once keeps working offline.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .config import HUB_REPOS
+from .errors import CheckpointError
+
+__all__ = ["is_hub_name", "download"]
+
+CONFIG = "config.json"
+WEIGHTS = (("model.safetensors",), ("pytorch_model.bin",))  # alternatives: the first one the repo has wins
+TOKENIZER = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}")  # "owner/name", as the Hub spells them
+
+
+def is_hub_name(name: str) -> bool:
+    """True for a preset alias ("gpt2", "distilgpt2", ...) or an "owner/repo" id that is not a local path."""
+    if Path(name).exists():
+        return False
+    return name in HUB_REPOS or bool(_REPO_ID.fullmatch(name))
+
+
+def download(name: str, revision: str | None = None) -> Path:
+    """Fetch (or find in the HF cache) a GPT-2 checkpoint and return the local folder holding its files."""
+    try:
+        import huggingface_hub as hf
+        from huggingface_hub import errors as hf_errors
+    except ImportError:
+        raise CheckpointError(f"loading {name!r} by name needs huggingface_hub: pip install 'gpt2-numpy[hub]' "
+                              "(or pass the path of a folder holding config.json and the weights)") from None
+    repo_id = HUB_REPOS.get(name, name)
+    if not _REPO_ID.fullmatch(repo_id):
+        raise CheckpointError(f"{name!r} is neither an existing local path nor a Hub name like 'gpt2' or "
+                              f"'owner/repo' (known aliases: {', '.join(HUB_REPOS)})")
+    try:
+        return _fetch(hf, hf_errors, repo_id, revision, local_files_only=True)  # cached already: no network at all
+    except hf_errors.LocalEntryNotFoundError:
+        pass
+    try:
+        # One HEAD request without retries first, so being offline is reported at once rather than after the
+        # ~30 s of retries hf_hub_download makes on a network error.
+        hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, CONFIG, revision=revision))
+        return _fetch(hf, hf_errors, repo_id, revision, local_files_only=False)
+    except CheckpointError:
+        raise
+    except hf_errors.RepositoryNotFoundError:
+        reason = "there is no such repository on the Hub (or it is private or gated: log in with `hf auth login`)"
+    except hf_errors.RevisionNotFoundError:
+        reason = f"the repository has no revision {revision!r}"
+    except hf_errors.RemoteEntryNotFoundError:
+        reason = f"the repository has no {CONFIG}, so it is not a model in Hugging Face layout"
+    except Exception as e:  # no network, HF_HUB_OFFLINE=1, a proxy, the Hub down, ...
+        offline = " (HF_HUB_OFFLINE is set)" if hf.is_offline_mode() else ""
+        reason = (f"the Hub could not be reached{offline} and they are not in the local cache "
+                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    alias = f" ({repo_id})" if repo_id != name else ""
+    folder = repo_id.split("/")[-1]
+    raise CheckpointError(
+        f"could not fetch the files of {name!r}{alias} from the Hugging Face Hub: {reason}.\n"
+        f"If you meant a local folder: {name!r} does not exist. To get the model another way, run on a machine "
+        f"with internet access (pip install huggingface_hub):\n"
+        f"    hf download {repo_id} config.json model.safetensors tokenizer.json --local-dir {folder}\n"
+        f"copy the {folder} folder here and load it with load_model(\"path/to/{folder}\")."
+    )
+
+
+def _fetch(hf, hf_errors, repo_id: str, revision: str | None, local_files_only: bool) -> Path:
+    def get(filename: str, rev: str | None) -> Path:  # hf_hub_download shows its own progress bar
+        return Path(hf.hf_hub_download(repo_id, filename, revision=rev, local_files_only=local_files_only))
+
+    # "not in the cache" or "not in the repo"; a network error must not be mistaken for a missing file
+    missing = hf_errors.LocalEntryNotFoundError if local_files_only else hf_errors.RemoteEntryNotFoundError
+    snapshot = get(CONFIG, revision).parent  # .../snapshots/<commit>/
+    commit = snapshot.name  # take the other files from the very same commit, so they land in the same folder
+    for what, alternatives in (("weights", WEIGHTS), ("tokenizer", TOKENIZER)):
+        for i, filenames in enumerate(alternatives):
+            try:
+                for filename in filenames:
+                    get(filename, commit)
+                break
+            except missing:
+                if i == len(alternatives) - 1:
+                    if local_files_only:
+                        raise
+                    names = " or ".join(" + ".join(f) for f in alternatives)
+                    raise CheckpointError(f"{repo_id}: the repository has no {what} file ({names}), so it is "
+                                          "not a GPT-2 checkpoint this package can load") from None
+    return snapshot

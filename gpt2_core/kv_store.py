@@ -1,0 +1,131 @@
+"""Where the K/V of many sequences live: the interface the chapter 3 engine talks to, and a contiguous store.
+
+The engine never touches cache arrays itself. It asks the store to make room for a sequence's tokens
+(``allocate`` / ``ensure``), hands it each layer's new K/V (``update``, which returns everything cached for that
+sequence so far), and ``free``s a finished sequence. Chapter 3 keeps every sequence in a contiguous slot
+preallocated to ``max_len`` tokens; chapter 4 swaps in a paged store with the same methods, and the engine does
+not change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from .config import GPT2Config
+from .errors import CacheCapacityError, InvalidInputError
+
+
+class KVStore(ABC):
+    """K/V storage for many sequences, addressed by ``seq_id``."""
+
+    config: GPT2Config
+
+    @abstractmethod
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Could a new sequence get room for ``num_tokens`` tokens right now?"""
+
+    @abstractmethod
+    def allocate(self, seq_id, num_tokens: int) -> None:
+        """Give a new sequence room for ``num_tokens`` tokens; ``CacheCapacityError`` if there is none."""
+
+    @abstractmethod
+    def can_ensure(self, seq_id, num_tokens: int) -> bool:
+        """Could ``seq_id`` grow to hold ``num_tokens`` tokens in total?"""
+
+    @abstractmethod
+    def ensure(self, seq_id, num_tokens: int) -> None:
+        """Grow ``seq_id``'s room to ``num_tokens`` tokens in total; ``CacheCapacityError`` if impossible."""
+
+    @abstractmethod
+    def update(self, seq_id, layer: int, start: int, k: np.ndarray, v: np.ndarray):
+        """Write ``k, v`` [H, T, D] at positions ``start .. start+T-1``; return all K, V so far [H, start+T, D]."""
+
+    @abstractmethod
+    def free(self, seq_id) -> None:
+        """Release everything ``seq_id`` holds. Freeing an unknown sequence is an error."""
+
+    @abstractmethod
+    def reserved_tokens(self) -> int:
+        """Token positions currently set aside for live sequences (used or not)."""
+
+    @abstractmethod
+    def capacity_tokens(self) -> int:
+        """Token positions the whole store can hold."""
+
+    @property
+    def bytes_per_token(self) -> int:
+        c = self.config
+        return 2 * c.n_layer * c.n_head * c.head_dim * np.dtype(self.dtype).itemsize
+
+    def usage(self) -> float:
+        """Fraction of the store reserved by live sequences (vLLM's ``kv_cache_usage``)."""
+        return self.reserved_tokens() / self.capacity_tokens()
+
+
+class ContiguousKVStore(KVStore):
+    """One preallocated slot of ``max_len`` tokens per sequence, ``num_slots`` slots in all.
+
+    Simple and fast (a sequence's K/V are one contiguous slice), but a sequence that ends after 20 tokens still
+    reserved ``max_len``: the waste chapter 4 measures and removes.
+    """
+
+    def __init__(self, config: GPT2Config, num_slots: int, max_len: int | None = None, dtype=np.float32):
+        max_len = config.n_positions if max_len is None else max_len
+        if not 1 <= max_len <= config.n_positions:
+            raise InvalidInputError(f"max_len={max_len} must be in [1, n_ctx={config.n_positions}]")
+        if num_slots < 1:
+            raise InvalidInputError(f"num_slots must be >= 1, got {num_slots}")
+        self.config, self.dtype, self.max_len, self.num_slots = config, np.dtype(dtype), max_len, num_slots
+        shape = (num_slots, config.n_layer, config.n_head, max_len, config.head_dim)  # [slots, L, H, max_len, D]
+        self.k = np.zeros(shape, dtype=dtype)
+        self.v = np.zeros(shape, dtype=dtype)
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
+        self.slot_of: dict = {}
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return bool(self.free_slots) and num_tokens <= self.max_len
+
+    def allocate(self, seq_id, num_tokens: int) -> None:
+        if seq_id in self.slot_of:
+            raise InvalidInputError(f"sequence {seq_id!r} already has a KV slot")
+        if num_tokens > self.max_len:
+            raise CacheCapacityError(f"sequence {seq_id!r} needs {num_tokens} tokens, a slot holds max_len="
+                                     f"{self.max_len}")
+        if not self.free_slots:
+            raise CacheCapacityError(f"no free KV slot for sequence {seq_id!r} (all {self.num_slots} in use)")
+        self.slot_of[seq_id] = self.free_slots.pop()
+
+    def can_ensure(self, seq_id, num_tokens: int) -> bool:
+        return seq_id in self.slot_of and num_tokens <= self.max_len
+
+    def ensure(self, seq_id, num_tokens: int) -> None:
+        if seq_id not in self.slot_of:
+            raise InvalidInputError(f"sequence {seq_id!r} has no KV slot")
+        if num_tokens > self.max_len:
+            raise CacheCapacityError(f"sequence {seq_id!r} would need {num_tokens} tokens, its slot holds "
+                                     f"max_len={self.max_len}")
+
+    def update(self, seq_id, layer: int, start: int, k, v):
+        slot, end = self.slot_of[seq_id], start + k.shape[1]
+        if end > self.max_len:
+            raise CacheCapacityError(f"sequence {seq_id!r}: position {end - 1} is past its slot of {self.max_len}")
+        self.k[slot, layer, :, start:end] = k
+        self.v[slot, layer, :, start:end] = v
+        return self.k[slot, layer, :, :end], self.v[slot, layer, :, :end]
+
+    def free(self, seq_id) -> None:
+        if seq_id not in self.slot_of:
+            raise InvalidInputError(f"sequence {seq_id!r} has no KV slot to free")
+        self.free_slots.append(self.slot_of.pop(seq_id))
+
+    def reserved_tokens(self) -> int:
+        return len(self.slot_of) * self.max_len
+
+    def capacity_tokens(self) -> int:
+        return self.num_slots * self.max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes

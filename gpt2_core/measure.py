@@ -1,0 +1,79 @@
+"""Measuring: medians of repeated timings, peak memory with tracemalloc, and what machine the numbers came from.
+
+Machines are noisy (two cores shared with whatever else runs), so every figure is a median of repeats, and methods
+are compared as ratios measured side by side in the same run, never against numbers from another day.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+
+import numpy as np
+
+QUICK = os.environ.get("GPT2_QUICK", "") not in ("", "0")  # the one knob: small sizes for CI
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_memory(fn: Callable[[], object]) -> tuple[int, object]:
+    """Peak bytes allocated while ``fn()`` runs (NumPy reports its buffers to tracemalloc), and its result."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return peak, result
+
+
+def blas_info() -> list[dict]:
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return []
+    keep = ("internal_api", "version", "num_threads", "threading_layer", "architecture")
+    return [{k: lib.get(k) for k in keep} for lib in threadpool_info() if lib.get("user_api") == "blas"]
+
+
+def machine_info() -> dict:
+    """Versions, BLAS and its threads, cores and the load on them: the context every benchmark records."""
+    info = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "blas": blas_info(),
+        "env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE",
+                                           "OPENBLAS_L2_SIZE", "GPT2_QUICK") if k in os.environ},
+    }
+    return info
+
+
+def blas_threads(n: int | None):
+    """Context manager pinning the BLAS thread count (``None``: leave it as it is)."""
+    from contextlib import nullcontext
+
+    if n is None:
+        return nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=n, user_api="blas")

@@ -1,0 +1,107 @@
+"""Chapter 1: the GPT-2 forward pass as plain NumPy functions.
+
+One function per formula, a shape comment on each line. Shapes: T = tokens in the sequence, S = keys attended
+to (S == T here; later chapters attend to cached keys too), E = n_embd, H = n_head, D = head_dim = E // H,
+V = vocab_size. Everything is float32: a float64 constant would silently promote the activations and make every
+matmul run on float64 copies of the weights (several times slower), so constants are np.float32.
+
+Parameters are nested dicts named like the checkpoint keys (``h.0.attn.c_attn.weight`` is
+``params["h"][0]["attn"]["c_attn"]["weight"]``); see ``gpt2_core.weights``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .weights import GPT2Model
+
+GELU_C = np.float32(np.sqrt(2.0 / np.pi))  # float32, so x stays float32
+
+
+def gelu(x):
+    """GPT-2's tanh approximation of GELU ("gelu_new" in HF).
+
+    ``x * x * x``, not ``x**3``: NumPy's float32 power is a general ``powf`` call, ~50x slower than two multiplies.
+    """
+    return 0.5 * x * (1 + np.tanh(GELU_C * (x + np.float32(0.044715) * (x * x * x))))
+
+
+def softmax(x, axis=-1):
+    """Numerically stable: subtracting the row max changes nothing mathematically and keeps exp() finite."""
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def layer_norm(x, weight, bias, eps):  # x [T, E]; weight, bias [E]
+    mean = x.mean(axis=-1, keepdims=True)  # [T, 1]
+    var = x.var(axis=-1, keepdims=True)  # [T, 1] (biased variance, as torch's LayerNorm)
+    return weight * (x - mean) / np.sqrt(var + np.float32(eps)) + bias  # [T, E]
+
+
+def linear(x, weight, bias):  # x [T, in]; weight [in, out] (HF Conv1D layout); bias [out]
+    return x @ weight + bias  # [T, out]
+
+
+def split_heads(x, n_head):  # x [T, E] -> [H, T, D]
+    T, E = x.shape
+    return x.reshape(T, n_head, E // n_head).transpose(1, 0, 2)
+
+
+def merge_heads(x):  # x [H, T, D] -> [T, E]
+    H, T, D = x.shape
+    return x.transpose(1, 0, 2).reshape(T, H * D)
+
+
+def attention(q, k, v):  # q [H, T, D]; k, v [H, S, D] with S >= T -> [H, T, D]
+    """Causal scaled dot-product attention, all heads at once.
+
+    The T queries are the *last* T positions of the S keys, so query i may see keys 0 .. S - T + i. With S == T
+    that is the usual lower-triangular mask; with one query (decoding, chapter 2) nothing is masked.
+    """
+    T, S, D = q.shape[1], k.shape[1], q.shape[2]
+    scores = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(D))  # [H, T, S]
+    visible = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]  # [T, S] True where key j is not in the future
+    scores = np.where(visible, scores, np.float32(-np.inf))  # [H, T, S]
+    return softmax(scores) @ v  # [H, T, D]
+
+
+def causal_self_attention(x, attn, n_head):  # x [T, E] -> [T, E]
+    qkv = linear(x, **attn["c_attn"])  # [T, 3E]: Q, K and V side by side (HF's fused c_attn)
+    q, k, v = np.split(qkv, 3, axis=-1)  # 3 x [T, E]
+    out = attention(split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head))  # [H, T, D]
+    return linear(merge_heads(out), **attn["c_proj"])  # [T, E]
+
+
+def mlp(x, mlp_params):  # x [T, E] -> [T, E]
+    h = gelu(linear(x, **mlp_params["c_fc"]))  # [T, 4E]
+    return linear(h, **mlp_params["c_proj"])  # [T, E]
+
+
+def block(x, p, n_head, eps):  # x [T, E] -> [T, E]: one pre-LN transformer block
+    x = x + causal_self_attention(layer_norm(x, **p["ln_1"], eps=eps), p["attn"], n_head)  # [T, E]
+    x = x + mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [T, E]
+    return x
+
+
+def embed(params, token_ids, start_pos=0):  # token_ids [T] -> [T, E]
+    positions = np.arange(start_pos, start_pos + len(token_ids))  # [T]
+    return params["wte"][token_ids] + params["wpe"][positions]  # [T, E]
+
+
+def lm_head(params, x, eps):  # x [T, E] -> logits [T, V]
+    x = layer_norm(x, **params["ln_f"], eps=eps)  # [T, E]
+    return x @ params["wte"].T  # [T, V]: the output layer is the token embedding, transposed ("tied")
+
+
+def transformer(model: GPT2Model, token_ids) -> np.ndarray:  # token_ids [T] -> hidden states [T, E]
+    cfg, params = model.config, model.params
+    token_ids = model.check_tokens(token_ids)  # [T] int64; clear errors for empty, too long, out of range
+    x = embed(params, token_ids)  # [T, E]
+    for p in params["h"]:
+        x = block(x, p, cfg.n_head, cfg.layer_norm_epsilon)  # [T, E]
+    return x
+
+
+def forward(model: GPT2Model, token_ids) -> np.ndarray:
+    """Logits for every position of ``token_ids``: [T, V]. Recomputes everything from the tokens up."""
+    return lm_head(model.params, transformer(model, token_ids), model.config.layer_norm_epsilon)  # [T, V]

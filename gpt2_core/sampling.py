@@ -1,0 +1,70 @@
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus) sampling.
+
+Each request owns a seeded ``numpy.random.Generator`` and every sampled step draws exactly one uniform number, so
+the same seed gives the same tokens whichever engine produced the logits (naive, KV cache, batched, paged).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax); top_k / top_p then play no part
+    top_k: int | None = None  # keep the k most likely tokens; None or 0 = all
+    top_p: float | None = None  # keep the smallest set of tokens whose probability reaches p; None or 1 = all
+    seed: int | None = None  # seed of this request's own random generator
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0):
+            raise InvalidInputError(f"top_k must be an integer >= 0 (0 = no limit), got {k!r}")
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise InvalidInputError(f"top_p must be in (0, 1] (1 = no limit), got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or self.seed < 0):
+            raise InvalidInputError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution sampling draws from: softmax(logits / T), cut to top-k, then to top-p. [V] float64."""
+    z = np.asarray(logits, dtype=np.float64) / params.temperature  # [V]; float64: the cut-offs are exact
+    if params.top_k and params.top_k < z.size:
+        kth_largest = np.partition(z, -params.top_k)[-params.top_k]
+        z = np.where(z < kth_largest, -np.inf, z)  # ties at the k-th value are all kept
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    if params.top_p is not None and params.top_p < 1:
+        order = np.argsort(-probs, kind="stable")  # most likely first
+        mass = np.cumsum(probs[order])
+        keep = np.searchsorted(mass, params.top_p) + 1  # the first token whose running mass reaches p is kept
+        probs[order[keep:]] = 0.0
+        probs /= probs.sum()
+    return probs
+
+
+class Sampler:
+    """Samples tokens for one sequence with its own seeded generator."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:  # logits [V] -> token id
+        if self.params.greedy:
+            return int(np.argmax(logits))
+        probs = sampling_probs(logits, self.params)
+        u = self.rng.random()  # exactly one draw per step
+        return int(min(np.searchsorted(np.cumsum(probs), u, side="right"), probs.size - 1))

@@ -1,0 +1,85 @@
+"""Text <-> token ids with HuggingFace ``tokenizers`` (GPT-2's byte-level BPE, or the embedded model's own)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .errors import CheckpointError, InvalidInputError
+
+EOT = "<|endoftext|>"
+
+
+class Tokenizer:
+    """A thin wrapper: ``encode(text) -> list[int]``, ``decode(ids) -> str``, and the ``<|endoftext|>`` id.
+
+    ``<|endoftext|>`` written in the text is read as the special token (as HF does), so documents can be joined
+    with it. Byte-level BPE can split one character over several tokens, so streamed text is decoded with
+    ``decode_stream``, which holds bytes back until they form whole characters.
+    """
+
+    def __init__(self, hf_tokenizer, source: str = ""):
+        self.hf = hf_tokenizer
+        self.source = source
+        self.eos_token_id = self.hf.token_to_id(EOT)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: tokenizer file not found")
+        try:
+            return cls(HFTokenizer.from_file(str(path)), str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
+            raise CheckpointError(f"{path}: not a valid tokenizer.json ({e})") from None
+
+    @classmethod
+    def from_vocab_merges(cls, vocab: str | Path, merges: str | Path) -> "Tokenizer":
+        """The older HF layout: ``vocab.json`` + ``merges.txt`` (GPT-2's encoder.json / vocab.bpe)."""
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+        for p in (vocab, merges):
+            if not Path(p).is_file():
+                raise CheckpointError(f"{p}: tokenizer file not found")
+        tok = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        if tok.token_to_id(EOT) is not None:
+            tok.add_special_tokens([EOT])
+        return cls(tok, f"{vocab} + {merges}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidInputError(f"encode: expected text (str), got {type(text).__name__}")
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, ids: Iterable[int], skip_special_tokens: bool = True) -> Iterator[str]:
+        """Yield text pieces as tokens arrive; a piece is emitted once its bytes form whole characters."""
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        for i in ids:
+            piece = stream.step(self.hf, int(i))
+            if piece:
+                yield piece
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, source={self.source!r})"
+
+
+def tokenizer_for_directory(directory: Path) -> Tokenizer | None:
+    """The tokenizer stored beside a checkpoint: ``tokenizer.json``, else ``vocab.json`` + ``merges.txt``."""
+    if (directory / "tokenizer.json").is_file():
+        return Tokenizer.from_file(directory / "tokenizer.json")
+    if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        return Tokenizer.from_vocab_merges(directory / "vocab.json", directory / "merges.txt")
+    return None

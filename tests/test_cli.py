@@ -1,0 +1,55 @@
+"""``python -m gpt2_core``: generate streams text from the embedded model; errors are one clean line."""
+
+import json
+import subprocess
+import sys
+
+from helpers import ROOT, tiny_model, write_checkpoint
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "gpt2_core", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_generate_with_the_embedded_model_both_engines_agree():
+    kv = run("generate", "It is a truth universally acknowledged", "--max-new-tokens", "20")
+    naive = run("generate", "It is a truth universally acknowledged", "--max-new-tokens", "20", "--engine", "naive")
+    assert kv.returncode == 0, kv.stderr
+    assert kv.stdout.startswith("It is a truth universally acknowledged")
+    assert len(kv.stdout) > len("It is a truth universally acknowledged") + 20
+    assert kv.stdout == naive.stdout
+
+
+def test_sampling_flags_and_seed_are_reproducible():
+    args = ("generate", "Emma", "--max-new-tokens", "15", "--temperature", "0.9", "--top-k", "40", "--top-p",
+            "0.9", "--seed", "3")
+    assert run(*args).stdout == run(*args).stdout
+
+
+def test_bad_input_is_a_one_line_error(tmp_path):
+    r = run("generate", "Emma", "--temperature", "-1")
+    assert r.returncode == 2 and r.stderr.startswith("error: temperature must be") and "Traceback" not in r.stderr
+    r = run("generate", "Emma", "--max-new-tokens", "100000")
+    assert r.returncode == 2 and "exceeds the context n_ctx" in r.stderr
+    r = run("generate", "Emma", "--model", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "no such file or directory" in r.stderr
+
+
+def test_a_checkpoint_without_tokenizer_is_refused_clearly(tmp_path):
+    write_checkpoint(tmp_path, tiny_model())
+    r = run("generate", "Emma", "--model", str(tmp_path))
+    assert r.returncode == 2 and "no tokenizer found" in r.stderr
+
+
+def test_bench_writes_json_with_the_documented_shape(tmp_path):
+    out = tmp_path / "kv.json"
+    r = run("bench", "kv-cache", "--quick", "--json", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert {"machine", "results"} <= set(data)
+    methods = {rec["method"] for rec in data["results"]}
+    assert {"naive", "kv_cache", "bandwidth_bound"} <= methods
+    for rec in data["results"]:
+        assert rec["tokens_per_s"] > 0 and rec["batch"] == 1
+    assert data["machine"]["numpy"] and "blas" in data["machine"]

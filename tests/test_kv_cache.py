@@ -1,0 +1,91 @@
+"""Chapter 2: the KV cache gives chapter 1's tokens and logits, and refuses to overflow."""
+
+import numpy as np
+import pytest
+from helpers import TINY, reference_dirs, tiny_model
+
+import gpt2_core
+from gpt2_core import CheckpointError, InvalidInputError, PRESETS
+from gpt2_core import kv_cache as kv
+from gpt2_core.errors import CacheCapacityError
+
+
+def models():
+    return [("tiny", tiny_model())] + [(d.name, gpt2_core.load_model(d)) for d in reference_dirs()] + [
+        ("embedded", gpt2_core.load_model())]
+
+
+@pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
+def test_logits_at_every_step_equal_chapter_1(name, model):
+    rng = np.random.default_rng(1)
+    n_ctx = model.config.n_positions
+    ids = rng.integers(0, model.config.vocab_size, size=min(n_ctx, 80)).tolist()
+    prompt = 5
+    logits, cache = kv.prefill(model, ids[:prompt], capacity=len(ids))
+    np.testing.assert_allclose(logits, gpt2_core.forward(model, ids[:prompt]), atol=1e-5)
+    for t in range(prompt, len(ids)):
+        step = kv.decode_step(model, ids[t], cache)
+        np.testing.assert_allclose(step, gpt2_core.forward(model, ids[: t + 1])[-1], atol=1e-5, err_msg=f"step {t}")
+    assert cache.length == len(ids)
+
+
+@pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
+def test_greedy_tokens_equal_chapter_1_for_64_steps(name, model):
+    n = min(64, model.config.n_positions - 3)
+    prompt = [1, 2, 3]
+    assert kv.generate(model, prompt, n, stop_at_eos=False) == gpt2_core.generate(model, prompt, n, stop_at_eos=False)
+
+
+def test_sampling_with_a_seed_gives_chapter_1_tokens():
+    model = gpt2_core.load_model()
+    prompt = model.tokenizer.encode("It is a truth universally acknowledged")
+    for seed in range(3):
+        kw = dict(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
+        assert kv.generate(model, prompt, 40, **kw) == gpt2_core.generate(model, prompt, 40, **kw)
+
+
+def test_cache_is_preallocated_and_its_bytes_match_the_formula():
+    model = tiny_model()
+    logits, cache = kv.prefill(model, [1, 2, 3], capacity=10)
+    assert cache.k.shape == (TINY.n_layer, TINY.n_head, 10, TINY.head_dim)
+    assert cache.nbytes == kv.kv_cache_bytes(TINY, 10, np.float32)
+    assert kv.kv_cache_bytes(PRESETS["gpt2"], 1024, np.float32) == 2 * 12 * 768 * 1024 * 4
+
+
+def test_the_7b_answer_is_one_gib_per_2048_token_sequence():
+    rows = {r["model"]: r for r in kv.kv_cache_table(2048, np.float16)}
+    seven_b = rows["7B (32 layers, hidden 4096)"]
+    assert seven_b["bytes"] == 2**30
+    assert seven_b["bytes_per_token"] == 2 * 32 * 4096 * 2  # 512 KiB per token
+    assert rows["gpt2"]["bytes"] == 2 * 12 * 768 * 2048 * 2
+    # a real cache of the 7B shape would hold exactly that many bytes: check the formula against nbytes
+    small = kv.KVCache(kv.SEVEN_B, capacity=16, dtype=np.float16)
+    assert small.nbytes == kv.kv_cache_bytes(kv.SEVEN_B, 16, np.float16)
+
+
+def test_capacity_and_context_overflow_are_clear_errors_that_leave_the_cache_intact():
+    model = tiny_model()
+    _, cache = kv.prefill(model, [1, 2, 3], capacity=4)
+    kv.decode_step(model, 4, cache)
+    k_before = cache.k.copy()
+    with pytest.raises(CacheCapacityError, match="KV cache full: 4 cached \\+ 1 new tokens exceeds its capacity of 4"):
+        kv.decode_step(model, 5, cache)
+    assert cache.length == 4 and np.array_equal(cache.k, k_before)
+    with pytest.raises(InvalidInputError, match="capacity 17 exceeds the context n_ctx=16"):
+        kv.prefill(model, [1], capacity=17)
+    _, cache = kv.prefill(model, list(range(16)))
+    with pytest.raises(CacheCapacityError, match="position 16 is past the context n_ctx=16"):
+        kv.decode_step(model, 1, cache)
+    with pytest.raises(InvalidInputError, match="out of range"):
+        kv.decode_step(model, 500, kv.prefill(model, [1], capacity=3)[1])
+
+
+def test_generate_validates_like_chapter_1():
+    model = tiny_model()
+    for kwargs in ({"temperature": -1}, {"top_p": 2}, {"top_k": -5}):
+        with pytest.raises(InvalidInputError):
+            kv.generate(model, [1], 3, **kwargs)
+    with pytest.raises(InvalidInputError, match="n_ctx=16"):
+        kv.generate(model, list(range(10)), 7)
+    assert kv.generate(model, [1], 0) == []
+    assert not isinstance(CheckpointError("x"), InvalidInputError)

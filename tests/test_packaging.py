@@ -1,0 +1,56 @@
+"""pyproject.toml and environment.yml list the same dependencies; the README's commands are what CI runs."""
+
+import re
+import tomllib
+
+import yaml
+from helpers import ROOT
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+
+def normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def conda_specs():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    specs, pip = {}, None
+    for dep in env["dependencies"]:
+        if isinstance(dep, dict):
+            pip = dep["pip"]
+            continue
+        name, spec = re.match(r"^([A-Za-z0-9_.\-]+)\s*(.*)$", dep).groups()
+        specs[normalise(name)] = SpecifierSet(spec.replace(" ", ""))
+    return env, specs, pip
+
+
+def test_environment_yml_parses_and_installs_the_project_editable():
+    env, specs, pip = conda_specs()
+    assert env["name"] and "conda-forge" in env["channels"]
+    assert pip == ["-e ."]
+    assert "python" in specs and "pip" in specs
+
+
+def test_core_and_test_dependencies_agree_with_environment_yml():
+    project = pyproject()
+    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    _, specs, _ = conda_specs()
+    for req in wanted:
+        assert normalise(req.name) in specs, f"{req.name} is in pyproject.toml but not in environment.yml"
+        assert specs[normalise(req.name)] == req.specifier, f"{req.name}: {req.specifier} vs {specs[normalise(req.name)]}"
+    extra = set(specs) - {normalise(r.name) for r in wanted} - {"python", "pip"}
+    assert not extra, f"environment.yml has dependencies pyproject.toml lacks: {extra}"
+
+
+def test_ci_runs_the_readme_commands():
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_cmd = re.search(r"<!-- test-command -->\s*```(?:bash|sh)?\n(.*?)```", readme, re.S).group(1).strip()
+    assert test_cmd in ci, "the README's test command must be what .ci/run executes"
+    run_cmd = re.search(r"<!-- run-command -->\s*```(?:bash|sh)?\n(.*?)```", readme, re.S).group(1).strip()
+    assert "python -m gpt2_core generate" in run_cmd

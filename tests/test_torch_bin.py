@@ -1,0 +1,373 @@
+"""Tests of gpt2_core.torch_bin: reading pytorch_model.bin without torch.
+
+    python -m pytest tests/test_torch_bin.py -q
+
+The fixtures in tests/fixtures/ were written by real torch (tests/fixtures/make_torch_bin_fixtures.py), so these
+tests need no torch. Odd or broken files are made here: by editing those fixtures, or by `write_zip` /
+`write_legacy`, which pickle a state dict exactly as torch.save does, with stand-in `torch` modules.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+import types
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpt2_core.errors import CheckpointError
+from gpt2_core.torch_bin import LEGACY_MAGIC, load_torch_bin
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ZIP, LEGACY = FIXTURES / "tiny_zip.bin", FIXTURES / "tiny_legacy.bin"
+EXPECTED = dict(np.load(FIXTURES / "tiny_expected.npz"))
+
+
+def assert_same(got: dict, want: dict):
+    assert list(got) == list(want)
+    for k, w in want.items():
+        g = got[k]
+        assert isinstance(g, np.ndarray), k
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), k
+        assert g.flags.c_contiguous, k
+        assert g.tobytes() == w.tobytes(), k  # bit-exact, so -0.0, inf and subnormals count too
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real torch files, both formats
+
+
+@pytest.mark.parametrize("path", [ZIP, LEGACY], ids=["zip", "legacy"])
+def test_loads_files_written_by_torch(path):
+    sd = load_torch_bin(path)
+    assert_same(sd, EXPECTED)
+    # views share one storage in the file: same numbers as slicing the base tensor
+    base = sd["wte.weight"]
+    np.testing.assert_array_equal(sd["row"], base[2])
+    np.testing.assert_array_equal(sd["transposed"], base.T)
+    np.testing.assert_array_equal(sd["window"], base[1:3, 2:5])
+    assert sd["half"].dtype == np.float16 and sd["i64"].dtype == np.int64 and sd["mask"].dtype == np.bool_
+    assert sd["param"].shape == (2, 2) and sd["scalar"].shape == () and sd["empty"].shape == (0, 3)
+
+
+@pytest.mark.parametrize("path", [ZIP, LEGACY], ids=["zip", "legacy"])
+def test_bfloat16_becomes_float32_exactly(path):
+    bf = load_torch_bin(path)["bf16"]
+    assert bf.dtype == np.float32
+    assert not np.any(bf.view(np.uint32) & 0xFFFF)  # a bfloat16 is the top 16 bits of a float32
+    assert bf[0] == 1.0 and bf[1] == -2.5 and bf[2] == np.float32(0.333984375) and np.isinf(bf[5])
+    assert np.signbit(bf[4]) and bf[4] == 0  # -0.0 survives
+
+
+def test_zip_archive_folder_can_have_any_name(tmp_path):
+    out = tmp_path / "renamed.bin"
+    with zipfile.ZipFile(ZIP) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            dst.writestr("some-other-name/" + info.filename.split("/", 1)[1], src.read(info))
+    assert_same(load_torch_bin(out), EXPECTED)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing torch-format files without torch: stand-in modules named like torch's, so pickle records the same names.
+
+
+class FakeStorage:
+    def __init__(self, type_name: str, key: str, data: np.ndarray, view=None):
+        self.type_name, self.key, self.data, self.view = type_name, key, np.ascontiguousarray(data), view
+
+
+class FakeTensor:
+    def __init__(self, storage: FakeStorage, offset: int, size: tuple, stride: tuple):
+        self.args = (storage, offset, size, stride, False, OrderedDict())
+
+    def __reduce__(self):
+        return sys.modules["torch._utils"]._rebuild_tensor_v2, self.args
+
+
+@pytest.fixture
+def fake_torch(monkeypatch):
+    torch, utils = types.ModuleType("torch"), types.ModuleType("torch._utils")
+
+    def _rebuild_tensor_v2(*args):
+        raise AssertionError("only pickled here, never called")
+
+    _rebuild_tensor_v2.__module__, _rebuild_tensor_v2.__qualname__ = "torch._utils", "_rebuild_tensor_v2"
+    torch._utils = utils
+    utils._rebuild_tensor_v2 = _rebuild_tensor_v2
+    for name in ["FloatStorage", "HalfStorage", "LongStorage", "ComplexFloatStorage"]:
+        setattr(torch, name, type(name, (), {"__module__": "torch"}))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch._utils", utils)
+    return torch
+
+
+def _pickle(obj, legacy: bool) -> tuple[bytes, dict]:
+    storages = {}
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            if not isinstance(obj, FakeStorage):
+                return None
+            storages[obj.key] = obj
+            pid = ("storage", getattr(sys.modules["torch"], obj.type_name), obj.key, "cpu", obj.data.size)
+            return pid + (obj.view,) if legacy else pid
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(obj)
+    return buf.getvalue(), storages
+
+
+def write_zip(path, sd, prefix="archive", records=None, byteorder=b"little", data_pkl=None):
+    pkl, storages = _pickle(sd, legacy=False)
+    records = {k: s.data.tobytes() for k, s in storages.items()} if records is None else records
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{prefix}/data.pkl", pkl if data_pkl is None else data_pkl)
+        if byteorder is not None:
+            zf.writestr(f"{prefix}/byteorder", byteorder)
+        for key, raw in records.items():
+            zf.writestr(f"{prefix}/data/{key}", raw)
+    return path
+
+
+def write_legacy(path, sd, sys_info=None, main_pickle=None, counts=None):
+    pkl, storages = _pickle(sd, legacy=True)
+    keys = sorted(storages)
+    with open(path, "wb") as f:
+        for header in (LEGACY_MAGIC, 1001, sys_info or {"protocol_version": 1001, "little_endian": True}):
+            pickle.dump(header, f, protocol=2)
+        f.write(pkl if main_pickle is None else main_pickle)
+        pickle.dump(keys, f, protocol=2)
+        for key in keys:
+            data = storages[key].data
+            f.write(((counts or {}).get(key, data.size)).to_bytes(8, "little") + data.tobytes())
+    return path
+
+
+def test_legacy_storage_views(tmp_path, fake_torch):
+    """Very old files pickle a storage *view*: (view_key, offset, numel) of a root storage."""
+    root = np.arange(10, dtype=np.float32)
+    view = FakeStorage("FloatStorage", "root", root, view=("v1", 4, 6))  # elements 4..9 of "root"
+    sd = {"whole": FakeTensor(FakeStorage("FloatStorage", "root", root), 0, (10,), (1,)),
+          "tail": FakeTensor(view, 1, (2, 2), (1, 2))}  # view elements [1,3],[2,4] -> root 5,7 / 6,8
+    out = load_torch_bin(write_legacy(tmp_path / "old.bin", sd))
+    np.testing.assert_array_equal(out["whole"], root)
+    np.testing.assert_array_equal(out["tail"], [[5, 7], [6, 8]])
+
+
+def test_writer_round_trip(tmp_path, fake_torch):
+    data = np.arange(6, dtype=np.int64)
+    sd = OrderedDict(a=FakeTensor(FakeStorage("LongStorage", "0", data), 2, (2, 2), (2, 1)), meta=3)
+    for path in (write_zip(tmp_path / "z.bin", sd), write_legacy(tmp_path / "l.bin", sd)):
+        out = load_torch_bin(path)
+        assert list(out) == ["a"]  # the non-tensor entry is skipped
+        np.testing.assert_array_equal(out["a"], [[2, 3], [4, 5]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors: always CheckpointError, always naming the file
+
+
+def raises_for(path, *words):
+    with pytest.raises(CheckpointError) as info:
+        load_torch_bin(path)
+    msg = str(info.value)
+    assert Path(path).name in msg, msg
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+def test_missing_and_empty_files(tmp_path):
+    raises_for(tmp_path / "nope.bin", "no such file")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    raises_for(tmp_path / "empty.bin", "empty")
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.bin").write_text("hello, this is text\n")
+    raises_for(tmp_path / "notes.bin", "corrupt")
+    (tmp_path / "int.bin").write_bytes(pickle.dumps(12345, protocol=2))
+    raises_for(tmp_path / "int.bin")
+
+
+def test_truncated_zip(tmp_path):
+    data = ZIP.read_bytes()
+    (tmp_path / "half.bin").write_bytes(data[: len(data) // 2])
+    raises_for(tmp_path / "half.bin", "truncated or corrupt zip")
+
+
+def test_truncated_legacy_names_the_storage_and_tensor(tmp_path):
+    data = LEGACY.read_bytes()
+    (tmp_path / "cut.bin").write_bytes(data[:-3])
+    msg = raises_for(tmp_path / "cut.bin", "truncated")
+    assert "'param'" in msg  # torch writes storages sorted by key: the last is the Parameter's
+
+
+def test_zip_without_data_pkl(tmp_path):
+    with zipfile.ZipFile(ZIP) as src, zipfile.ZipFile(tmp_path / "nopkl.bin", "w") as dst:
+        for info in src.infolist():
+            if not info.filename.endswith("data.pkl"):
+                dst.writestr(info.filename, src.read(info))
+    raises_for(tmp_path / "nopkl.bin", "data.pkl")
+
+
+def test_zip_big_endian_is_refused(tmp_path, fake_torch):
+    sd = {"w": FakeTensor(FakeStorage("FloatStorage", "0", np.ones(2, np.float32)), 0, (2,), (1,))}
+    raises_for(write_zip(tmp_path / "be.bin", sd, byteorder=b"big"), "big-endian")
+    assert load_torch_bin(write_zip(tmp_path / "nobyteorder.bin", sd, byteorder=None))["w"].tolist() == [1, 1]
+
+
+def test_legacy_big_endian_is_refused(tmp_path, fake_torch):
+    sd = {"w": FakeTensor(FakeStorage("FloatStorage", "0", np.ones(2, np.float32)), 0, (2,), (1,))}
+    raises_for(write_legacy(tmp_path / "be.bin", sd, sys_info={"little_endian": False}), "big-endian")
+
+
+def test_storage_record_missing_or_short(tmp_path, fake_torch):
+    st = FakeStorage("FloatStorage", "7", np.arange(4, dtype=np.float32))
+    sd = {"h.0.mlp.c_fc.weight": FakeTensor(st, 0, (2, 2), (2, 1))}
+    raises_for(write_zip(tmp_path / "missing.bin", sd, records={}), "'h.0.mlp.c_fc.weight'", "archive/data/7",
+               "missing")
+    short = {"7": st.data.tobytes()[:12]}  # 3 of the 4 float32s
+    raises_for(write_zip(tmp_path / "short.bin", sd, records=short), "'h.0.mlp.c_fc.weight'", "'7'", "needs 4")
+    raises_for(write_legacy(tmp_path / "short_legacy.bin", sd, counts={"7": 3}), "'h.0.mlp.c_fc.weight'", "needs 4")
+
+
+def test_tensor_reaching_outside_its_storage(tmp_path, fake_torch):
+    st = FakeStorage("FloatStorage", "0", np.zeros(6, np.float32))
+    for size, stride, offset in [((2, 4), (4, 1), 0), ((3,), (1,), 4), ((2, 3), (1, 3), 1), ((100,), (0,), 0)]:
+        sd = {"wpe.weight": FakeTensor(st, offset, size, stride)}
+        raises_for(write_zip(tmp_path / "oob.bin", sd), "'wpe.weight'", "does not fit")
+
+
+def test_unsupported_storage_type(tmp_path, fake_torch):
+    sd = {"w": FakeTensor(FakeStorage("ComplexFloatStorage", "0", np.zeros(2, np.complex64)), 0, (2,), (1,))}
+    raises_for(write_zip(tmp_path / "complex.bin", sd), "unsupported storage type torch.ComplexFloatStorage")
+
+
+def test_corrupt_pickle(tmp_path):
+    with zipfile.ZipFile(ZIP) as src, zipfile.ZipFile(tmp_path / "bad.bin", "w") as dst:
+        for info in src.infolist():
+            raw = src.read(info)
+            dst.writestr(info, raw[: len(raw) // 2] if info.filename.endswith("data.pkl") else raw)
+    raises_for(tmp_path / "bad.bin", "corrupt", "data.pkl")
+
+
+# A pickle that runs a shell command when loaded: GLOBAL os.system, then call it with one argument.
+def payloads(marker: Path) -> dict[str, bytes]:
+    m = str(marker).encode()
+    return {
+        "os.system": b"cos\nsystem\n(S'touch " + m + b"'\ntR.",
+        "builtins.eval": b"cbuiltins\neval\n(S'open(" + repr(str(marker)).encode() + b", \"w\").close()'\ntR.",
+        "subprocess.Popen": b"csubprocess\nPopen\n((S'touch'\nS'" + m + b"'\nltR.",
+    }
+
+
+def test_the_malicious_payload_is_real(tmp_path):
+    """pickle.loads really runs it: this is why torch.load(weights_only=False) on a stranger's file is unsafe."""
+    marker = tmp_path / "pwned"
+    pickle.loads(payloads(marker)["os.system"])
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("name", ["os.system", "builtins.eval", "subprocess.Popen"])
+@pytest.mark.parametrize("container", ["zip", "legacy"])
+def test_malicious_pickle_is_refused_and_not_run(tmp_path, name, container):
+    marker = tmp_path / "pwned"
+    evil = payloads(marker)[name]
+    path = tmp_path / "pytorch_model.bin"
+    if container == "zip":
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr("archive/data.pkl", evil)
+    else:
+        path.write_bytes(b"".join(pickle.dumps(x, protocol=2) for x in (LEGACY_MAGIC, 1001, {})) + evil)
+    raises_for(path, f"refusing to unpickle global '{name}'")
+    assert not marker.exists()
+
+
+def test_malicious_reduce_with_modern_protocol(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    path = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"w": Evil()}, protocol=5))  # STACK_GLOBAL opcode
+    raises_for(path, "refusing to unpickle global", "system")
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fuzzing: damaged files either still load (a flipped bit in raw float data cannot be noticed in the legacy
+# format) or raise CheckpointError; never another exception, never a hang (hypothesis' deadline).
+
+FUZZ = settings(max_examples=150, deadline=2000, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _load_or_checkpoint_error(data: bytes, tmp_path: Path) -> bool:
+    path = tmp_path / "fuzz.bin"
+    path.write_bytes(data)
+    try:
+        out = load_torch_bin(path)
+    except CheckpointError:
+        return False
+    assert all(isinstance(v, np.ndarray) for v in out.values())
+    return True
+
+
+@pytest.mark.parametrize("path", [ZIP, LEGACY], ids=["zip", "legacy"])
+def test_fuzz_byte_flips(path, tmp_path_factory):
+    data, tmp = path.read_bytes(), tmp_path_factory.mktemp("flip")
+
+    @FUZZ
+    @given(st.lists(st.tuples(st.integers(0, len(data) - 1), st.integers(1, 255)), min_size=1, max_size=4))
+    def check(flips):
+        damaged = bytearray(data)
+        for pos, xor in flips:
+            damaged[pos] ^= xor
+        _load_or_checkpoint_error(bytes(damaged), tmp)
+
+    check()
+
+
+@pytest.mark.parametrize("path", [ZIP, LEGACY], ids=["zip", "legacy"])
+def test_fuzz_truncations_always_fail(path, tmp_path_factory):
+    data, tmp = path.read_bytes(), tmp_path_factory.mktemp("cut")
+
+    @FUZZ
+    @given(st.integers(0, len(data) - 1))
+    def check(n):
+        assert not _load_or_checkpoint_error(data[:n], tmp)
+
+    check()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extra check against torch itself, only where torch is installed (CI has no torch).
+
+
+def test_matches_torch_load(tmp_path):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    wte = torch.randn(50, 16, generator=g)
+    sd = {"wte.weight": wte, "lm_head.weight": wte,  # tied: one storage, as in GPT2LMHeadModel.state_dict()
+          "c_attn.weight": torch.randn(16, 48, generator=g), "c_attn.bias": torch.zeros(48),
+          "q": torch.randn(16, 48, generator=g)[:, :16], "wte_t": wte.t(), "half": wte.half(), "bf16": wte.bfloat16(),
+          "attn.bias": torch.tril(torch.ones(8, 8, dtype=torch.bool)), "steps": torch.tensor(7)}
+    for legacy in (False, True):
+        path = tmp_path / f"pytorch_model_{legacy}.bin"
+        torch.save(sd, path, _use_new_zipfile_serialization=not legacy)
+        ours, theirs = load_torch_bin(path), torch.load(path, weights_only=True)
+        assert list(ours) == list(theirs)
+        for k, t in theirs.items():
+            want = (t.float() if t.dtype == torch.bfloat16 else t).contiguous().numpy()
+            assert ours[k].dtype == want.dtype and ours[k].tobytes() == want.tobytes(), k
