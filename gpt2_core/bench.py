@@ -23,13 +23,17 @@ from .weights import GPT2Model, random_model
 # Machine limits
 
 
-def gemv_bandwidth(rows: int = 768, cols: int = 50257, repeats: int = 7) -> float:
+def gemv_bandwidth(rows: int = 768, cols: int = 50257, repeats: int = 7, transposed: bool = False) -> float:
     """Bytes/s a BLAS matrix-vector product streams: the ceiling of batch-1 decoding, which reads every weight
-    once per token. Measured on the LM head's shape (the largest GEMV in the model, 154 MB: well past cache)."""
+    once per token. Measured on the LM head's shape (the largest GEMV in the model, 154 MB: well past cache).
+
+    ``x @ W`` with W stored [in, out] row-major (the Conv1D layout) is the fast case; ``transposed=True`` measures
+    ``x @ W.T`` with W stored [out, in], as the tied head ``x @ wte.T`` reads it.
+    """
     rng = np.random.default_rng(0)
-    W = rng.standard_normal((cols, rows), dtype=np.float32)  # as wte is stored: [V, E]
+    W = rng.standard_normal((cols, rows) if transposed else (rows, cols), dtype=np.float32)
     x = rng.standard_normal((1, rows), dtype=np.float32)
-    seconds = median_time(lambda: x @ W.T, repeats=repeats)
+    seconds = median_time((lambda: x @ W.T) if transposed else (lambda: x @ W), repeats=repeats)
     return W.nbytes / seconds
 
 
@@ -113,7 +117,8 @@ def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> di
                                                         layer_norm(x, **b["ln_2"], eps=1e-5), gelu(h))),
     }
     ms = {name: 1e3 * median_time(fn, repeats=repeats) for name, fn in parts.items()}
-    ms["lm head (E x V)"] = 1e3 * median_time(lambda: x @ p["wte"].T, repeats=repeats)
+    head = model.lm_head_weight()  # [E, V], as decode_step reads it
+    ms["lm head (E x V)"] = 1e3 * median_time(lambda: x @ head, repeats=repeats)
     return ms
 
 

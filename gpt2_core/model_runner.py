@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kv_cache import lm_head_fast
 from .kv_store import KVStore
-from .model import attention, layer_norm, linear, lm_head, merge_heads, mlp, split_heads
+from .model import attention, layer_norm, linear, merge_heads, mlp, split_heads
 from .weights import GPT2Model
 
 
@@ -48,4 +49,4 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
             out[a:b] = merge_heads(attention(q, k_all, v_all))  # [T, E]
         x = x + linear(out, **p["attn"]["c_proj"])  # [N, E]
         x = x + mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]
-    return lm_head(params, x[ends - 1], eps)  # [B, V]: only each chunk's last position needs logits
+    return lm_head_fast(model, x[ends - 1])  # [B, V]: only each chunk's last position needs logits

@@ -282,3 +282,25 @@ def test_environment_variables_in_a_fresh_process(hub_env, tmp_path):
     folder = Path(out.stdout.strip())
     assert folder == tmp_path / "fresh/hub/models--openai-community--gpt2/snapshots" / COMMIT
     assert (folder / "model.safetensors").read_bytes() == NEW_REPO["model.safetensors"]
+
+
+def test_load_model_by_name_end_to_end(hub_env, tmp_path):
+    """load_model("owner/repo") downloads through the fake hub and gives the same logits as the local files."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import write_checkpoint
+
+    import gpt2_core
+    from gpt2_core import GPT2Config
+
+    tokenizer = ROOT / "data" / "embedded" / "tokenizer.json"
+    config = GPT2Config(vocab_size=4096, n_positions=32, n_embd=16, n_head=2, n_layer=1, eos_token_id=4095)
+    local = write_checkpoint(tmp_path / "local", gpt2_core.random_model(config, seed=5))
+    files = {name: (local / name).read_bytes() for name in ("config.json", "model.safetensors")}
+    files["tokenizer.json"] = tokenizer.read_bytes()
+    hub_env({"someone/tiny-gpt2": files})
+    model = gpt2_core.load_model("someone/tiny-gpt2")
+    ids = model.tokenizer.encode("Emma Woodhouse")
+    np.testing.assert_array_equal(gpt2_core.forward(model, ids), gpt2_core.forward(gpt2_core.load_model(local), ids))
+    assert "models--someone--tiny-gpt2" in model.source
