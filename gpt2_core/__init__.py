@@ -9,6 +9,7 @@ The public API, stable across chapters:
 * ``model.tokenizer.encode(text)`` / ``.decode(ids)`` (``Tokenizer``)
 """
 
+from . import kv_cache  # chapter 2 (its generate has chapter 1's signature)
 from .config import PRESETS, GPT2Config
 from .errors import CheckpointError, GPT2Error, InvalidInputError
 from .generation import generate, generate_stream
@@ -21,5 +22,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GPT2Config", "PRESETS", "GPT2Error", "CheckpointError", "InvalidInputError", "GPT2Model", "load_model",
-    "random_model", "forward", "generate", "generate_stream", "SamplingParams", "Tokenizer",
+    "random_model", "forward", "generate", "generate_stream", "SamplingParams", "Tokenizer", "kv_cache",
 ]

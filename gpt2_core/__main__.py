@@ -42,6 +42,12 @@ def _bench(args) -> int:
     return 0
 
 
+def _classroom(args) -> int:
+    from .classroom import cli
+
+    return cli(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpt2_core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +71,25 @@ def main(argv=None) -> int:
     b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged)")
     b.add_argument("--quick", action="store_true", help="small sizes (seconds instead of minutes)")
     b.set_defaults(func=_bench)
+
+    c = sub.add_parser("classroom", help="release the chapters as nbgrader assignments, autograde submissions "
+                                         "(needs the classroom extra; see notebooks/TEACHING.md)")
+    csub = c.add_subparsers(dest="action", required=True)
+    r = csub.add_parser("release", help="make a course directory and the student version of every chapter")
+    r.add_argument("--out", default=None, help="course directory to make (default: a new temporary directory)")
+    a = csub.add_parser("autograde", help="autograde a folder of submissions (<student>/<chapter>.ipynb)")
+    a.add_argument("submissions", help="folder of <student>/<chapter>.ipynb (or nbgrader's <student>/<chapter>/...)")
+    a.add_argument("--out", default=None, help="write the per-exercise grade table here (CSV); nbgrader's own "
+                                               "export goes beside it as <name>_nbgrader.csv")
+    a.add_argument("--course", default=None, help="the course directory made by `release` (default: a fresh one "
+                                                  "from the current chapters, in a temporary directory)")
+    gr = csub.add_parser("grades", help="print (and save) the grade table of a course directory")
+    gr.add_argument("--course", required=True)
+    gr.add_argument("--out", default=None, help="write the per-exercise grade table here (CSV)")
+    for p in (r, a):
+        p.add_argument("--notebooks", default=None, help="folder of chapter notebooks NN_*.ipynb (default: notebooks/)")
+        p.add_argument("--timeout", type=int, default=600, help="seconds a cell may run while autograding")
+    c.set_defaults(func=_classroom)
 
     args = parser.parse_args(argv)
     try:

@@ -182,7 +182,19 @@ def _current_blas_threads() -> int:
     return int(info[0]["num_threads"]) if info else (os.cpu_count() or 1)
 
 
-BENCHMARKS = {"kv-cache": bench_kv_cache}
+def bench_batching(**kwargs) -> dict:  # chapter 3 (imported on use: it needs the chapter 3 engine)
+    from .bench_batching import bench_batching as run
+
+    return run(**kwargs)
+
+
+def bench_paged(**kwargs) -> dict:  # chapter 4 (imported on use: it needs the chapter 3 engine)
+    from .bench_paged import bench_paged as run
+
+    return run(**kwargs)
+
+
+BENCHMARKS = {"kv-cache": bench_kv_cache, "batching": bench_batching, "paged": bench_paged}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,

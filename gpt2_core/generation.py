@@ -21,11 +21,16 @@ def check_generation(model: GPT2Model, token_ids, max_new_tokens) -> list[int]:
     ids = model.check_tokens(token_ids)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
         raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    n_ctx = model.config.n_positions
-    if len(ids) + max_new_tokens > n_ctx:
-        raise InvalidInputError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} = "
-                                f"{len(ids) + max_new_tokens} exceeds the context n_ctx={n_ctx}")
+    n_ctx, needed = model.config.n_positions, positions_needed(len(ids), max_new_tokens)
+    if needed > n_ctx:
+        raise InvalidInputError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} needs {needed} "
+                                f"positions, more than the context n_ctx={n_ctx}")
     return ids.tolist()
+
+
+def positions_needed(prompt_len: int, max_new_tokens: int) -> int:
+    """Positions the model must run: the prompt and every new token but the last, which is never fed back."""
+    return prompt_len + max(max_new_tokens - 1, 0)
 
 
 def next_token_logits(model: GPT2Model, token_ids) -> np.ndarray:  # token_ids [T] -> logits [V]

@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError
-from .generation import check_generation
+from .generation import check_generation, positions_needed
 from .model import attention, embed, layer_norm, linear, merge_heads, mlp, split_heads
 from .sampling import Sampler, SamplingParams
 from .weights import GPT2Model
@@ -117,7 +117,7 @@ def generate_stream(model: GPT2Model, token_ids, max_new_tokens: int, temperatur
     if max_new_tokens == 0:
         return
     eos = model.config.eos_token_id if stop_at_eos else None
-    logits, cache = prefill(model, ids, capacity=len(ids) + max_new_tokens, last_only=True)
+    logits, cache = prefill(model, ids, capacity=positions_needed(len(ids), max_new_tokens), last_only=True)
     logits = logits[0]  # [V]
     for step in range(max_new_tokens):
         token = sample(logits)

@@ -54,6 +54,10 @@ class KVStore(ABC):
     def capacity_tokens(self) -> int:
         """Token positions the whole store can hold."""
 
+    def max_tokens_per_seq(self) -> int:
+        """The most tokens one sequence could ever hold, alone in an empty store (a longer request can never run)."""
+        return self.capacity_tokens()
+
     @property
     def bytes_per_token(self) -> int:
         c = self.config
@@ -125,6 +129,9 @@ class ContiguousKVStore(KVStore):
 
     def capacity_tokens(self) -> int:
         return self.num_slots * self.max_len
+
+    def max_tokens_per_seq(self) -> int:
+        return self.max_len
 
     @property
     def nbytes(self) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .kv_cache import lm_head_fast
 from .kv_store import KVStore
-from .model import attention, layer_norm, linear, merge_heads, mlp, split_heads
+from .model import attention, layer_norm, linear, mlp
 from .weights import GPT2Model
 
 
@@ -25,6 +25,15 @@ class Chunk:
     seq_id: object
     token_ids: np.ndarray  # [T] int64
     start: int
+
+
+def decode_attention(q, k, v):  # q [H, 1, D] already scaled by 1/sqrt(D); k, v [H, S, D] -> [H, 1, D]
+    """Chapter 1's ``attention`` for a single query, fused: no mask (the query is the last position, it sees
+    every key) and the softmax normalised after the product with V. Half the NumPy calls; in a batch of 32
+    decoding sequences these calls, one set per sequence and layer, are a visible share of the step."""
+    s = q @ k.transpose(0, 2, 1)  # [H, 1, S]
+    e = np.exp(s - s.max(axis=-1, keepdims=True))  # [H, 1, S]
+    return (e @ v) / e.sum(axis=-1, keepdims=True)  # [H, 1, D]
 
 
 def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.ndarray:
@@ -39,14 +48,19 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
     token_ids = np.concatenate([c.token_ids for c in chunks])  # [N]
     positions = np.concatenate([np.arange(c.start, c.start + t) for c, t in zip(chunks, lengths)])  # [N]
     x = params["wte"][token_ids] + params["wpe"][positions]  # [N, E]
-    eps, H = cfg.layer_norm_epsilon, cfg.n_head
+    eps, H, D = cfg.layer_norm_epsilon, cfg.n_head, cfg.head_dim
+    scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
         qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [N, 3E]: one matmul for all
-        out = np.empty_like(x)  # [N, E]
+        q, k, v = qkv.reshape(len(x), 3, H, D).transpose(1, 2, 0, 3)  # 3 x [H, N, D] views, no copy
+        q_scaled = q * scale  # [H, N, D] for the decode path, scaled once for all rows
+        out = np.empty((len(x), H, D), dtype=x.dtype)  # [N, H, D]
         for chunk, (a, b) in zip(chunks, spans):
-            q, k, v = (split_heads(m, H) for m in np.split(qkv[a:b], 3, axis=-1))  # 3 x [H, T, D]
-            k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k, v)  # [H, start + T, D]
-            out[a:b] = merge_heads(attention(q, k_all, v_all))  # [T, E]
-        x = x + linear(out, **p["attn"]["c_proj"])  # [N, E]
+            k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k[:, a:b], v[:, a:b])  # [H, start+T, D]
+            if b - a == 1:  # decode: one query sees every cached key, no mask needed
+                out[a] = decode_attention(q_scaled[:, a:b], k_all, v_all)[:, 0]  # [H, D]
+            else:  # prefill: chapter 1's causal attention
+                out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
+        x = x + linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E]
         x = x + mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]
     return lm_head_fast(model, x[ends - 1])  # [B, V]: only each chunk's last position needs logits

@@ -31,7 +31,7 @@ def test_bad_input_is_a_one_line_error(tmp_path):
     r = run("generate", "Emma", "--temperature", "-1")
     assert r.returncode == 2 and r.stderr.startswith("error: temperature must be") and "Traceback" not in r.stderr
     r = run("generate", "Emma", "--max-new-tokens", "100000")
-    assert r.returncode == 2 and "exceeds the context n_ctx" in r.stderr
+    assert r.returncode == 2 and "more than the context n_ctx" in r.stderr
     r = run("generate", "Emma", "--model", str(tmp_path / "missing"))
     assert r.returncode == 2 and "no such file or directory" in r.stderr
 

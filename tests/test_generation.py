@@ -97,10 +97,11 @@ def test_bad_prompts(model):
         gpt2_core.generate(model, [-1], 1)
     with pytest.raises(InvalidInputError, match=r"17 tokens is longer than the context n_ctx=16"):
         gpt2_core.forward(model, list(range(17)))
-    with pytest.raises(InvalidInputError, match=r"prompt of 10 tokens \+ max_new_tokens=7 = 17 exceeds .*n_ctx=16"):
-        gpt2_core.generate(model, list(range(10)), 7)
+    with pytest.raises(InvalidInputError, match=r"prompt of 10 tokens \+ max_new_tokens=8 needs 17 positions, more "
+                                                r"than the context n_ctx=16"):
+        gpt2_core.generate(model, list(range(10)), 8)
     with pytest.raises(InvalidInputError, match="integers"):
         gpt2_core.forward(model, [1.5, 2.0])
     with pytest.raises(InvalidInputError, match="max_new_tokens"):
         gpt2_core.generate(model, [1], -2)
-    assert gpt2_core.generate(model, list(range(10)), 6, stop_at_eos=False).__len__() == 6  # exactly n_ctx fits
+    assert len(gpt2_core.generate(model, list(range(10)), 7, stop_at_eos=False)) == 7  # 10 + 7 - 1 = n_ctx fits

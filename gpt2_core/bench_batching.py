@@ -1,0 +1,280 @@
+"""Chapter 3's benchmark: ``python -m gpt2_core bench batching [--trace PATH] [--json PATH] [--quick]``.
+
+One workload (``workload.standard_workload`` or a JSONL trace), served four ways in the same run on GPT-2 124M-
+shaped random weights (float32; the time of a matmul does not depend on the numbers in it):
+
+* ``sequential``: chapter 2, one request at a time, first come first served;
+* ``static``: static batches of up to ``max_batch`` requests, left-padded, each batch run to its longest row;
+* ``continuous``: the ``LLMEngine`` (``max_num_seqs = max_batch``), requests join and leave every step;
+* ``hf_transformers``: HF's batched ``generate`` with left padding, batched like ``static`` (if installed).
+
+Plus the machine's limits: ``gemm_bound`` = tokens/s if a decode step at batch B took only the time of its
+matmuls at the FLOP/s measured for those very shapes (``bench.gemm_flops``), beside the measured batched decode
+step (``decode_sweep``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .bench import gemm_flops, gemv_bandwidth, weight_bytes_per_token
+from .engine import LLMEngine, RequestOutput, replay
+from .kv_cache import generate_stream
+from .kv_store import ContiguousKVStore
+from .measure import QUICK, blas_info
+from .model_runner import Chunk, ragged_forward
+from .sequence import FinishReason, SequenceMetrics
+from .static_batching import replay_static
+from .weights import GPT2Model, random_model
+from . import workload as wl
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The strategies
+
+
+def replay_sequential(model: GPT2Model, requests, clock: str = "wall") -> list[RequestOutput]:
+    """Chapter 2, one request at a time in arrival order (a server with one sequence slot)."""
+    queue = sorted(requests, key=lambda r: r.arrival_s)
+    t0, results = time.perf_counter(), []
+    for r in queue:
+        wait = t0 + r.arrival_s - time.perf_counter()
+        if clock == "wall" and wait > 0:
+            time.sleep(wait)
+        start = time.perf_counter()
+        params = r.sampling_params if isinstance(r.sampling_params, dict) else r.sampling_params.__dict__
+        tokens, times = [], []
+        for token in generate_stream(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=r.stop_at_eos,
+                                     **params):
+            tokens.append(token)
+            times.append(time.perf_counter())
+        m = SequenceMetrics(arrival_time=t0 + r.arrival_s if clock == "wall" else t0, first_scheduled_time=start,
+                            token_times=times, finished_time=times[-1] if times else start)
+        results.append(RequestOutput(r.request_id, list(r.prompt_token_ids), tokens,
+                                     FinishReason.LENGTH, None, m))
+    return results
+
+
+def replay_hf(model: GPT2Model, requests, batch_size: int, threads: int):
+    """HF transformers' batched ``generate`` (greedy, left padding, its own KV cache), batched like ``static``.
+    Returns (outputs, batches) like ``replay_static``, or None if torch/transformers are not installed."""
+    try:
+        import torch
+        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    c = model.config
+    hf = GPT2LMHeadModel(HFConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
+                                  n_head=c.n_head, n_layer=c.n_layer)).eval()
+    hf.generation_config.eos_token_id = None  # eos ignored, as in the workload: every row makes its budget
+    hf.generation_config.pad_token_id = 0
+
+    class Clock:  # a generate() streamer: put() is called with the prompt, then once per generated column
+        def __init__(self):
+            self.times, self.calls = [], 0
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls > 1:
+                self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    queue = sorted(requests, key=lambda r: r.arrival_s)
+    t0, results, batches, i = time.perf_counter(), [], [], 0
+    while i < len(queue):
+        now = time.perf_counter() - t0
+        if queue[i].arrival_s > now:
+            time.sleep(queue[i].arrival_s - now)
+            now = queue[i].arrival_s
+        batch = []
+        while i < len(queue) and len(batch) < batch_size and queue[i].arrival_s <= now:
+            batch.append(queue[i])
+            i += 1
+        T = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.zeros((len(batch), T), dtype=torch.long)
+        mask = torch.zeros((len(batch), T), dtype=torch.long)
+        for row, r in enumerate(batch):
+            ids[row, T - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[row, T - len(r.prompt_token_ids):] = 1
+        steps = max(r.max_new_tokens for r in batch)
+        streamer = Clock()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                              do_sample=False, streamer=streamer)
+        times = streamer.times
+        batches.append({"start_time": start, "step_times": times, "batch_size": len(batch),
+                        "active_rows": [sum(r.max_new_tokens > s for r in batch) for s in range(len(times))]})
+        for row, r in enumerate(batch):
+            n = r.max_new_tokens
+            m = SequenceMetrics(arrival_time=t0 + r.arrival_s, first_scheduled_time=start, token_times=times[:n],
+                                finished_time=times[n - 1])
+            results.append(RequestOutput(r.request_id, list(r.prompt_token_ids), out[row, T:T + n].tolist(),
+                                         FinishReason.LENGTH, None, m))
+    return results, batches
+
+
+def run_continuous(model: GPT2Model, requests, max_num_seqs: int, max_num_batched_tokens: int = 2048,
+                   max_len: int = 512, clock: str = "wall"):
+    """Serve the workload with the chapter 3 engine; returns (outputs, engine) — the engine has the step stats."""
+    engine = LLMEngine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       max_len=max_len)
+    return replay(engine, requests, clock=clock), engine
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Slot utilisation: how many of the max_batch places did useful work, averaged over the serving time
+
+
+def utilisation_from_steps(intervals, max_batch: int) -> float:
+    """``intervals`` = [(start, end, useful_rows)], -> time-weighted mean of useful_rows / max_batch."""
+    busy = sum((e - s) * n for s, e, n in intervals)
+    total = sum(e - s for s, e, _ in intervals)
+    return busy / (total * max_batch) if total else 0.0
+
+
+def static_intervals(batches) -> list:
+    out = []
+    for b in batches:
+        starts = [b["start_time"]] + b["step_times"][:-1]
+        out += list(zip(starts, b["step_times"], b["active_rows"]))
+    return out
+
+
+def engine_intervals(engine: LLMEngine) -> list:
+    return [(s.start_time, s.end_time, s.num_seqs) for s in engine.step_stats]
+
+
+def sequential_intervals(outputs) -> list:
+    return [(o.metrics.first_scheduled_time, o.metrics.finished_time, 1) for o in outputs]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Machine limits and the batched decode step
+
+
+def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> dict:
+    """Tokens/s of a decode step at ``batch`` that spent only the time of its matmuls, each at the FLOP/s
+    measured for its own shape: per layer [B,E]x[E,3E], [B,E]x[E,E], [B,E]x[E,4E], [B,4E]x[4E,E]; the head
+    [B,E]x[E,V]."""
+    E, V, L = model.config.n_embd, model.config.vocab_size, model.config.n_layer
+    shapes = [(E, 3 * E), (E, E), (E, 4 * E), (4 * E, E)]
+    per_layer = {f"{k}x{n}": 2 * batch * k * n / gemm_flops(batch, k, n, repeats=repeats) for k, n in shapes}
+    head = 2 * batch * E * V / gemm_flops(batch, E, V, repeats=max(3, repeats // 2))
+    seconds = L * sum(per_layer.values()) + head
+    flops = 2 * batch * (L * sum(k * n for k, n in shapes) + E * V)
+    return {"seconds_per_step": seconds, "tokens_per_s": batch / seconds, "gemm_flops_per_s": flops / seconds,
+            "lm_head_share": head / seconds}
+
+
+def decode_step_seconds(model: GPT2Model, batch: int, context: int, repeats: int = 5) -> float:
+    """Median time of one ragged step of ``batch`` decode chunks, each with ``context`` tokens cached (the cache
+    holds arbitrary numbers: timing does not depend on them)."""
+    store = ContiguousKVStore(model.config, num_slots=batch, max_len=context + 1)
+    for i in range(batch):
+        store.allocate(i, context + 1)
+    store.k[:] = 0.01
+    store.v[:] = 0.01
+    chunks = [Chunk(i, np.array([i % model.config.vocab_size]), context) for i in range(batch)]
+    ragged_forward(model, store, chunks)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        ragged_forward(model, store, chunks)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def quick_workload(vocab_size: int = 50257, seed: int = 0):
+    """``--quick``: 8 short requests (seconds, for CI and a first look)."""
+    return wl.poisson_workload(8, 8.0, vocab_size, seed=seed, prompt_len=(32, 0.5, 16, 64),
+                               output_len=(20, 0.4, 12, 32))
+
+
+def record(method: str, batch, summary: dict, utilisation: float | None, **extra) -> dict:
+    keys = ("tokens_per_s", "output_tokens", "duration_s", "mean_ttft_s", "p50_ttft_s", "p99_ttft_s",
+            "mean_itl_s", "p50_itl_s", "p99_itl_s", "mean_e2e_s", "p50_e2e_s", "p99_e2e_s", "num_errors")
+    return {"method": method, "batch": batch, **{k: summary[k] for k in keys}, "slot_utilisation": utilisation,
+            **extra}
+
+
+def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int = 32,
+                   sweep=None, context: int | None = None) -> dict:
+    model = random_model("gpt2", seed=0)
+    threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
+    if trace is not None:
+        requests = wl.load_trace(trace, model.config.vocab_size)
+        name = str(trace)
+    else:
+        requests = quick_workload() if quick else wl.standard_workload()
+        name = "quick_workload()" if quick else "standard_workload(num_requests=48, seed=0, request_rate=4.0)"
+    max_len = min(model.config.n_positions, max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests))
+    results, series = [], {}
+
+    outs = replay_sequential(model, requests)
+    seq = wl.summarize(outs)
+    results.append(record("sequential", 1, seq, utilisation_from_steps(sequential_intervals(outs), max_batch)))
+    series["sequential"] = outs
+
+    outs, batches = replay_static(model, requests, batch_size=max_batch)
+    static = wl.summarize(outs)
+    results.append(record("static", max_batch, static, utilisation_from_steps(static_intervals(batches), max_batch),
+                          num_batches=len(batches)))
+    series["static"] = outs
+
+    outs, engine = run_continuous(model, requests, max_num_seqs=max_batch, max_len=max_len)
+    cont = wl.summarize(outs)
+    stats = engine.step_stats
+    kv_used = sum(s.kv_used_tokens for s in stats) / max(1, sum(s.kv_reserved_tokens for s in stats))
+    results.append(record("continuous", max_batch, cont, utilisation_from_steps(engine_intervals(engine), max_batch),
+                          num_steps=len(stats), mean_batch=float(np.mean([s.num_seqs for s in stats])),
+                          kv_reserved_used_fraction=kv_used, num_preemptions=cont["num_preemptions"],
+                          max_len=max_len))
+    series["continuous"] = outs
+
+    hf = replay_hf(model, requests, max_batch, threads)
+    hf_summary = None
+    if hf is not None:
+        hf_outs, hf_batches = hf
+        hf_summary = wl.summarize(hf_outs)
+        results.append(record("hf_transformers", max_batch, hf_summary,
+                              utilisation_from_steps(static_intervals(hf_batches), max_batch), threads=threads))
+
+    # the batched decode step against the GEMM bound, at several batch sizes
+    sweep = sweep or ([1, 8, 32] if quick else [1, 2, 4, 8, 16, 32, 64])
+    context = context or (64 if quick else 128)
+    decode_sweep = []
+    for b in sweep:
+        seconds = decode_step_seconds(model, b, context, repeats=3 if quick else 5)
+        bound = gemm_bound_tokens_per_s(model, b, repeats=3 if quick else 5)
+        decode_sweep.append({"batch": b, "context": context, "tokens_per_s": b / seconds,
+                             "seconds_per_step": seconds, "gemm_bound_tokens_per_s": bound["tokens_per_s"],
+                             "fraction_of_gemm_bound": bound["seconds_per_step"] / seconds})
+        results.append({"method": "gemm_bound", "batch": b, **bound})
+    bandwidth = gemv_bandwidth()
+    bw_bound = bandwidth / weight_bytes_per_token(model)
+    at = {d["batch"]: d for d in decode_sweep}
+    big = max_batch if max_batch in at else max(at)
+    ratios = {
+        "continuous_over_sequential": cont["tokens_per_s"] / seq["tokens_per_s"],
+        "continuous_over_static": cont["tokens_per_s"] / static["tokens_per_s"],
+        "continuous_over_hf": None if hf_summary is None else cont["tokens_per_s"] / hf_summary["tokens_per_s"],
+        "static_over_sequential": static["tokens_per_s"] / seq["tokens_per_s"],
+        f"decode_batch_{big}_fraction_of_gemm_bound": at[big]["fraction_of_gemm_bound"],
+    }
+    return {"benchmark": "batching", "model": "random GPT-2 124M shape, float32", "quick": quick,
+            "workload": {"name": name, "num_requests": len(requests),
+                         "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                         "max_new_tokens": sum(r.max_new_tokens for r in requests),
+                         "last_arrival_s": max(r.arrival_s for r in requests)},
+            "results": results, "ratios": ratios, "decode_sweep": decode_sweep,
+            "bandwidth_bound_tokens_per_s_batch_1": bw_bound, "gemv_bytes_per_s": bandwidth, "threads": threads}

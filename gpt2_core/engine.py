@@ -1,0 +1,254 @@
+"""Chapter 3: the engine. Requests in, a stream of tokens per request out, one ragged model step at a time.
+
+``LLMEngine.step()`` is the whole idea of continuous batching (iteration-level scheduling):
+
+1. the ``Scheduler`` picks this step's sequences: every running one decodes one token, and newly admitted ones
+   bring their whole prompt (prefill);
+2. ``ragged_forward`` runs all those chunks as **one** ``[total_tokens, n_embd]`` matrix through every weight
+   matmul — prefill and decode share the step, so each weight is read once for both — while each sequence
+   attends to its own K/V in the ``KVStore``;
+3. each sequence samples its next token with its own seeded ``Sampler``; finished sequences leave at once and
+   free their KV room, so a waiting request can take their place in the very next step.
+
+A request that is invalid, or whose own sampling raises, fails alone (``FinishReason.ERROR`` with a message);
+the others are not disturbed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import InvalidInputError
+from .kv_store import ContiguousKVStore, KVStore
+from .model_runner import Chunk, ragged_forward
+from .sampling import Sampler, SamplingParams
+from .scheduler import Scheduler
+from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus
+from .weights import GPT2Model
+
+
+@dataclass
+class StepStats:
+    """What one engine step did (for the per-step metrics and the plots)."""
+
+    step: int
+    start_time: float
+    end_time: float
+    num_seqs: int  # sequences in the step's batch
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    num_batched_tokens: int  # rows of the [N, E] matrix
+    num_running: int  # sequences holding KV room after the step
+    num_waiting: int
+    kv_slots_in_use: int  # sequences holding KV room during the step
+    kv_reserved_tokens: int  # token positions the store has set aside for them
+    kv_used_tokens: int  # token positions actually filled
+    num_preempted: int
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request: its tokens, why it stopped, and its metrics."""
+
+    request_id: object
+    prompt_token_ids: list
+    output_token_ids: list
+    finish_reason: FinishReason | None
+    error: str | None
+    metrics: SequenceMetrics
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq.request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), seq.finish_reason,
+                   seq.error, seq.metrics)
+
+
+class LLMEngine:
+    """Continuous batching over a ``KVStore`` (default: one contiguous slot of ``max_len`` per sequence)."""
+
+    def __init__(self, model: GPT2Model, store: KVStore | None = None, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 2048, max_len: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if store is None:
+            store = ContiguousKVStore(model.config, num_slots=max_num_seqs, max_len=max_len)
+        self.model, self.store, self.clock = model, store, clock
+        self.scheduler = Scheduler(store, max_num_seqs, max_num_batched_tokens, model.config.n_positions)
+        self.sequences: dict[int, Sequence] = {}  # seq_id -> Sequence, all ever added
+        self._by_request: dict[object, Sequence] = {}
+        self._callbacks: dict[int, Callable] = {}
+        self._pending: dict[int, list[int]] = {}  # tokens produced but not yet taken by stream()
+        self.step_stats: list[StepStats] = []
+        self.num_steps = 0
+        self._next_id = 0
+
+    # -- requests -------------------------------------------------------------------------------------------------
+    def add_request(self, request: Request, arrival_time: float | None = None,
+                    on_token: Callable[[Sequence, int], None] | None = None) -> int:
+        """Queue a request; return its sequence id. An invalid request is finished at once with an error.
+
+        ``on_token(seq, token)`` is called for each new token; after the last one ``seq.is_finished`` is True.
+        """
+        if request.request_id in self._by_request:
+            raise InvalidInputError(f"request_id {request.request_id!r} is already in this engine")
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        now = self.clock() if arrival_time is None else arrival_time
+        seq = Sequence(seq_id, request, arrival_time=now)
+        self.sequences[seq_id] = seq
+        self._by_request[request.request_id] = seq
+        self._pending[seq_id] = []
+        if on_token is not None:
+            self._callbacks[seq_id] = on_token
+        error = self._validate(seq)
+        if error is not None:
+            seq.error = f"request {request.request_id!r}: {error}"
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.ERROR
+            seq.metrics.finished_time = now
+            return seq_id
+        if seq.max_new_tokens == 0:
+            self._finish(seq, FinishReason.LENGTH, now)
+            return seq_id
+        self.scheduler.add(seq)
+        return seq_id
+
+    def _validate(self, seq: Sequence) -> str | None:
+        r, cfg = seq.request, self.model.config
+        try:
+            params = r.sampling_params
+            if isinstance(params, dict):
+                params = SamplingParams(**params)
+            if not isinstance(params, SamplingParams):
+                return f"sampling_params must be a SamplingParams or a dict, got {type(params).__name__}"
+            seq.sampler = Sampler(params)
+            seq.prompt_token_ids = self.model.check_tokens(r.prompt_token_ids).tolist()
+        except InvalidInputError as e:
+            return str(e)
+        except TypeError as e:  # e.g. an unknown sampling parameter name in a dict
+            return f"bad sampling_params: {e}"
+        m = r.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+            return f"max_new_tokens must be an integer >= 0, got {m!r}"
+        seq.max_new_tokens = int(m)
+        s = r.stop_token_id
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer))
+                              or not 0 <= s < cfg.vocab_size):
+            return f"stop_token_id must be a token id in [0, {cfg.vocab_size}), got {s!r}"
+        return self.scheduler.check_fits(seq)
+
+    def get_sequence(self, request_id) -> Sequence:
+        return self._by_request[request_id]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------------------------------------
+    def step(self) -> list[tuple[object, int]]:
+        """Schedule, run one ragged model step, sample. Returns the ``(request_id, new_token)`` pairs produced."""
+        start = self.clock()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        for seq in plan.scheduled:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
+        chunks = [Chunk(seq.seq_id, np.asarray(seq.token_ids[seq.num_computed_tokens:], dtype=np.int64),
+                        seq.num_computed_tokens) for seq in plan.scheduled]
+        kv_used = sum(seq.num_tokens for seq in self.scheduler.running)
+        kv_slots, kv_reserved = len(self.scheduler.running), self.store.reserved_tokens()
+        logits = ragged_forward(self.model, self.store, chunks)  # [B, V]
+        now = self.clock()
+        outputs = []
+        for seq, row in zip(plan.scheduled, logits):
+            seq.num_computed_tokens = seq.num_tokens
+            try:
+                token = self._sample(seq, row)
+            except Exception as e:  # the request's own sampling failed: it fails alone
+                seq.error = f"request {seq.request_id!r}: sampling raised {type(e).__name__}: {e}"
+                self._finish(seq, FinishReason.ERROR, now)
+                continue
+            seq.output_token_ids.append(token)
+            seq.metrics.token_times.append(now)
+            outputs.append((seq.request_id, token))
+            r = seq.request
+            if (r.stop_at_eos and token == self.model.config.eos_token_id) or token == r.stop_token_id:
+                self._finish(seq, FinishReason.STOP, now)
+            elif len(seq.output_token_ids) >= seq.max_new_tokens:
+                self._finish(seq, FinishReason.LENGTH, now)
+            self._pending[seq.seq_id].append(token)
+            if seq.seq_id in self._callbacks:
+                self._callbacks[seq.seq_id](seq, token)
+        self.step_stats.append(StepStats(
+            step=self.num_steps, start_time=start, end_time=now, num_seqs=len(plan.scheduled),
+            num_prefill_seqs=plan.num_prefill_seqs, num_decode_seqs=plan.num_decode_seqs,
+            num_batched_tokens=plan.num_batched_tokens, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), kv_slots_in_use=kv_slots, kv_reserved_tokens=kv_reserved,
+            kv_used_tokens=kv_used, num_preempted=len(plan.preempted)))
+        self.num_steps += 1
+        return outputs
+
+    def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
+        if seq.request.logits_processor is not None:
+            logits = np.asarray(seq.request.logits_processor(seq.token_ids, logits))
+        token = seq.sampler(logits)
+        if not 0 <= token < self.model.config.vocab_size:
+            raise InvalidInputError(f"sampled token {token} is outside the vocabulary")
+        return token
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.metrics.finished_time = now
+
+    # -- outputs --------------------------------------------------------------------------------------------------
+    def stream(self, request_id) -> Iterator[int]:
+        """Yield ``request_id``'s tokens as they are produced, stepping the engine (and so every request) as needed."""
+        seq = self._by_request[request_id]
+        pending = self._pending[seq.seq_id]
+        while True:
+            while pending:
+                yield pending.pop(0)
+            if seq.is_finished:
+                return
+            self.step()
+
+    def run_until_done(self) -> None:
+        while self.has_unfinished():
+            self.step()
+
+    def generate_many(self, requests: Iterable[Request]) -> list[RequestOutput]:
+        """Add all ``requests`` now (arrival times ignored) and step until every one has finished; in input order."""
+        ids = [self.add_request(r) for r in requests]
+        self.run_until_done()
+        return [RequestOutput.from_sequence(self.sequences[i]) for i in ids]
+
+    def outputs(self) -> list[RequestOutput]:
+        return [RequestOutput.from_sequence(s) for s in self.sequences.values()]
+
+
+def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
+           time_scale: float = 1.0) -> list[RequestOutput]:
+    """Feed ``requests`` to ``engine`` as they arrive and run until all finish; results in arrival order.
+
+    ``clock="wall"``: a request is added once ``time.perf_counter()`` has passed its ``arrival_s * time_scale``
+    (the engine idles by sleeping when nothing is running); its metrics count from that arrival time.
+    ``clock="steps"``: ``arrival_s`` is read as a step number — deterministic, for tests.
+    """
+    if clock not in ("wall", "steps"):
+        raise InvalidInputError(f"clock must be 'wall' or 'steps', got {clock!r}")
+    queue = sorted(requests, key=lambda r: r.arrival_s)
+    ids, i, t0, tick = [], 0, engine.clock(), 0
+    while i < len(queue) or engine.has_unfinished():
+        now = tick if clock == "steps" else engine.clock() - t0
+        while i < len(queue) and queue[i].arrival_s * time_scale <= now:
+            arrival = None if clock == "steps" else t0 + queue[i].arrival_s * time_scale
+            ids.append(engine.add_request(queue[i], arrival_time=arrival))
+            i += 1
+        if engine.has_unfinished():
+            engine.step()
+        elif i < len(queue) and clock == "wall":  # idle until the next arrival
+            time.sleep(max(0.0, t0 + queue[i].arrival_s * time_scale - engine.clock()))
+        tick += 1
+    return [RequestOutput.from_sequence(engine.sequences[j]) for j in ids]

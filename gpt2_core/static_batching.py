@@ -1,0 +1,193 @@
+"""Chapter 3, first try: static batching. Pad the prompts to one length, run the batch as one [B*T, E] matrix.
+
+Prompts of different lengths are **left**-padded, so every row's last prompt token sits in the same column and
+every decode step appends one column for all rows. Two small arrays make the padding harmless:
+
+* an **attention mask** hides the pad keys (and the future, as always);
+* **per-row position ids** count only real tokens, so a row's first real token is at position 0, as when it runs
+  alone.
+
+The batch runs until its longest row is done: a row that finishes early keeps its slot (it is fed a pad token and
+its output is thrown away) until the batch ends. That waste is what continuous batching removes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InvalidInputError
+from .generation import check_generation
+from .model import gelu, layer_norm, linear, lm_head, softmax
+from .sampling import Sampler, SamplingParams
+from .sequence import FinishReason, SequenceMetrics
+from .weights import GPT2Model
+
+
+def left_pad(prompts, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [B, T] (T = longest prompt) with pads on the left, and the mask [B, T] of real tokens."""
+    T = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), T), pad_id, dtype=np.int64)  # [B, T]
+    mask = np.zeros((len(prompts), T), dtype=bool)  # [B, T]
+    for row, p in enumerate(prompts):
+        ids[row, T - len(p):] = p
+        mask[row, T - len(p):] = True
+    return ids, mask
+
+
+def position_ids(mask: np.ndarray) -> np.ndarray:  # mask [B, S] -> positions [B, S]
+    """Each real token's position counts the real tokens before it; pads get 0 (they are never attended to)."""
+    return np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+
+
+def left_padding_attention_mask(key_mask: np.ndarray, num_queries: int) -> np.ndarray:
+    """[B, S] real-key mask -> [B, 1, T, S]: may query i (one of the last T positions) look at key j?
+
+    Causal (j <= i) and j is a real token. A pad query may also look at itself, so that no softmax row is empty
+    (its output is never used).
+    """
+    B, S = key_mask.shape
+    q_pos = np.arange(S - num_queries, S)[:, None]  # [T, 1] absolute column of each query
+    k_pos = np.arange(S)[None, :]  # [1, S]
+    causal = k_pos <= q_pos  # [T, S]
+    visible = causal[None] & (key_mask[:, None, :] | (k_pos == q_pos)[None])  # [B, T, S]
+    return visible[:, None]  # [B, 1, T, S]: broadcast over heads
+
+
+@dataclass
+class StaticBatchCache:
+    """K/V of a whole batch: [L, B, H, capacity, D] each. All rows share the column index (left padding)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    length: int = 0  # columns filled (pads included)
+
+
+def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key_mask: np.ndarray,
+                   cache: StaticBatchCache) -> np.ndarray:
+    """Feed ids [B, T] at columns ``cache.length ..``; ``key_mask`` [B, cache.length + T]. -> last logits [B, V]."""
+    cfg, params = model.config, model.params
+    B, T = ids.shape
+    H, D, eps = cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
+    start, end = cache.length, cache.length + T
+    mask = left_padding_attention_mask(key_mask, T)  # [B, 1, T, S]
+    x = (params["wte"][ids] + params["wpe"][positions]).reshape(B * T, cfg.n_embd)  # [B*T, E]: 2-D for BLAS
+    scale = np.float32(1 / np.sqrt(D))
+    for layer, p in enumerate(params["h"]):
+        qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [B*T, 3E]
+        q, k, v = (a.reshape(B, T, H, D).transpose(0, 2, 1, 3) for a in np.split(qkv, 3, axis=-1))  # [B, H, T, D]
+        cache.k[layer, :, :, start:end] = k
+        cache.v[layer, :, :, start:end] = v
+        K, V = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, H, S, D]
+        scores = np.where(mask, (q @ K.transpose(0, 1, 3, 2)) * scale, np.float32(-np.inf))  # [B, H, T, S]
+        out = (softmax(scores) @ V).transpose(0, 2, 1, 3).reshape(B * T, cfg.n_embd)  # [B*T, E]
+        x = x + linear(out, **p["attn"]["c_proj"])
+        h = gelu(linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
+        x = x + linear(h, **p["mlp"]["c_proj"])
+    cache.length = end
+    last = x.reshape(B, T, cfg.n_embd)[:, -1]  # [B, E]
+    return lm_head(params, last, eps)  # [B, V]
+
+
+@dataclass
+class StaticBatchOutput:
+    output_token_ids: list  # [B] lists of new tokens
+    finish_reasons: list  # [B] FinishReason
+    step_times: list = field(default_factory=list)  # end time of each step (perf_counter)
+    active_rows: list = field(default_factory=list)  # rows still generating, per step
+    batch_size: int = 0
+    padded_prompt_len: int = 0
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Useful row-steps / all row-steps: 1.0 only if every row runs for the whole batch."""
+        return sum(self.active_rows) / (self.batch_size * max(1, len(self.active_rows)))
+
+
+def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=None, stop_at_eos: bool = True,
+                    pad_id: int = 0, clock=time.perf_counter) -> StaticBatchOutput:
+    """Generate for a batch of prompts at once; each row's tokens equal running it alone with chapter 2.
+
+    ``max_new_tokens`` and ``sampling_params`` are one value for all rows or one per row.
+    """
+    B = len(prompts)
+    if B == 0:
+        raise InvalidInputError("static_generate needs at least one prompt")
+    budgets = list(max_new_tokens) if np.ndim(max_new_tokens) else [max_new_tokens] * B
+    params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * B
+    if len(budgets) != B or len(params) != B:
+        raise InvalidInputError(f"{B} prompts but {len(budgets)} max_new_tokens and {len(params)} sampling_params")
+    prompts = [check_generation(model, p, m) for p, m in zip(prompts, budgets)]
+    samplers = [Sampler(SamplingParams(**p) if isinstance(p, dict) else p or SamplingParams()) for p in params]
+    cfg = model.config
+    ids, key_mask = left_pad(prompts, pad_id)  # [B, T]
+    T, steps = ids.shape[1], max(budgets)
+    out = StaticBatchOutput([[] for _ in range(B)], [FinishReason.LENGTH] * B, batch_size=B, padded_prompt_len=T)
+    if steps == 0:
+        return out
+    shape = (cfg.n_layer, B, cfg.n_head, T + steps, cfg.head_dim)  # columns, not positions: may exceed n_ctx
+    cache = StaticBatchCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+    logits = static_forward(model, ids, position_ids(key_mask), key_mask, cache)  # prefill: [B, V]
+    done = [m == 0 for m in budgets]
+    eos = cfg.eos_token_id if stop_at_eos else None
+    next_pos = key_mask.sum(axis=1)  # [B] each row's next real position
+    for step in range(steps):
+        tokens = np.full(B, pad_id, dtype=np.int64)
+        active = 0
+        for row in range(B):
+            if done[row]:
+                continue  # a finished row still occupies its slot: fed a pad, its logits thrown away
+            active += 1
+            token = samplers[row](logits[row])
+            out.output_token_ids[row].append(token)
+            tokens[row] = token
+            if token == eos:
+                done[row], out.finish_reasons[row] = True, FinishReason.STOP
+            elif len(out.output_token_ids[row]) == budgets[row]:
+                done[row] = True
+        out.step_times.append(clock())
+        out.active_rows.append(active)
+        if all(done):
+            break
+        key_mask = np.concatenate([key_mask, np.ones((B, 1), bool)], axis=1)  # [B, S+1]: the new column is real
+        logits = static_forward(model, tokens[:, None], np.minimum(next_pos, cfg.n_positions - 1)[:, None],
+                                key_mask, cache)
+        next_pos = next_pos + 1
+    return out
+
+
+def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str = "wall", pad_id: int = 0):
+    """Serve ``requests`` (``sequence.Request``) with static batches: take up to ``batch_size`` arrived requests,
+    run the batch to its end, repeat. Returns (RequestOutput list in arrival order, list of batch records).
+
+    ``clock="wall"`` honours ``arrival_s``; ``clock="offline"`` treats every request as arrived at the start.
+    """
+    from .engine import RequestOutput
+
+    queue = sorted(requests, key=lambda r: r.arrival_s)
+    t0 = time.perf_counter()
+    results, batches, i = [], [], 0
+    while i < len(queue):
+        now = time.perf_counter() - t0 if clock == "wall" else float("inf")  # "offline": all arrived
+        if queue[i].arrival_s > now:
+            time.sleep(queue[i].arrival_s - now)
+            now = queue[i].arrival_s
+        batch = []
+        while i < len(queue) and len(batch) < batch_size and queue[i].arrival_s <= now:
+            batch.append(queue[i])
+            i += 1
+        start = time.perf_counter()
+        out = static_generate(model, [r.prompt_token_ids for r in batch], [r.max_new_tokens for r in batch],
+                              [r.sampling_params for r in batch], stop_at_eos=batch[0].stop_at_eos, pad_id=pad_id)
+        batches.append({"start_time": start, "step_times": out.step_times, "active_rows": out.active_rows,
+                        "batch_size": len(batch), "padded_prompt_len": out.padded_prompt_len,
+                        "request_ids": [r.request_id for r in batch]})
+        for row, r in enumerate(batch):
+            n = len(out.output_token_ids[row])
+            m = SequenceMetrics(arrival_time=t0 + r.arrival_s, first_scheduled_time=start,
+                                token_times=out.step_times[:n], finished_time=out.step_times[n - 1] if n else start)
+            results.append(RequestOutput(r.request_id, list(r.prompt_token_ids), out.output_token_ids[row],
+                                         out.finish_reasons[row], None, m))
+    return results, batches

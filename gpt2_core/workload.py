@@ -1,0 +1,143 @@
+"""Workloads for serving benchmarks: a seeded generator, a JSONL trace format, and a summary of the results.
+
+A workload is a list of ``Request``s with arrival times. ``poisson_workload`` draws one: arrivals of a Poisson
+process (exponential gaps at ``request_rate`` requests/s), prompt and output lengths from clipped log-normal
+distributions (most requests short, a long tail of long ones, as in real chat traffic). ``standard_workload`` is
+the named, seeded default that the batching (chapter 3) and paged (chapter 4) benchmarks share.
+
+Trace format (JSONL, one request per line)::
+
+    {"request_id": 0, "prompt_len": 57, "max_new_tokens": 31, "arrival_s": 0.0}
+    {"request_id": 1, "prompt": "It is a truth", "max_new_tokens": 20, "arrival_s": 0.41, "temperature": 0.8, "seed": 1}
+
+``prompt`` (text, needs a tokenizer), ``prompt_token_ids``, or ``prompt_len`` (random ids, seeded as
+``poisson_workload`` seeds them, so a saved workload replays with the same prompts) give the prompt;
+``temperature``, ``top_k``, ``top_p``, ``seed`` are optional sampling parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import InvalidInputError
+from .sampling import SamplingParams
+from .sequence import FinishReason, Request
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+
+
+def lognormal_lengths(rng: np.random.Generator, n: int, median: float, sigma: float, low: int, high: int) -> list:
+    """``n`` integer lengths, log-normal around ``median`` (long right tail), clipped to [low, high]."""
+    x = rng.lognormal(np.log(median), sigma, size=n)
+    return np.clip(np.round(x), low, high).astype(int).tolist()
+
+
+def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab_size, size=length).tolist()
+
+
+def poisson_workload(num_requests: int, request_rate: float, vocab_size: int, seed: int = 0,
+                     prompt_len=(64, 0.8, 16, 256), output_len=(48, 0.9, 16, 256),
+                     stop_at_eos: bool = False) -> list[Request]:
+    """A seeded workload. ``prompt_len`` / ``output_len`` = (median, sigma, low, high) of clipped log-normals;
+    ``request_rate`` in requests/s (``float('inf')``: all arrive at t=0). Greedy, random prompt ids."""
+    rng = np.random.default_rng(seed)
+    gaps = np.zeros(num_requests) if np.isinf(request_rate) else rng.exponential(1 / request_rate, num_requests)
+    arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+    prompts = lognormal_lengths(rng, num_requests, *prompt_len)
+    outputs = lognormal_lengths(rng, num_requests, *output_len)
+    return [Request(request_id=i, prompt_token_ids=random_prompt(vocab_size, p, seed * 100_003 + i),
+                    max_new_tokens=o, arrival_s=round(float(a), 4), stop_at_eos=stop_at_eos)
+            for i, (p, o, a) in enumerate(zip(prompts, outputs, arrivals))]
+
+
+def standard_workload(num_requests: int = 48, seed: int = 0, request_rate: float = 4.0,
+                      vocab_size: int = 50257) -> list[Request]:
+    """The benchmarks' default: 48 requests arriving at 4/s (faster than sequential decoding can serve them),
+    prompts 16-256 tokens (median 64), outputs 16-256 tokens (median 48, long tail); eos ignored so that every
+    strategy generates exactly the same number of tokens."""
+    return poisson_workload(num_requests, request_rate, vocab_size, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# JSONL traces
+
+
+def save_trace(requests, path, with_token_ids: bool = False) -> None:
+    """Write ``requests`` as JSONL (``prompt_len`` only, unless ``with_token_ids``)."""
+    lines = []
+    for r in requests:
+        d = {"request_id": r.request_id}
+        if with_token_ids:
+            d["prompt_token_ids"] = [int(t) for t in r.prompt_token_ids]
+        else:
+            d["prompt_len"] = len(r.prompt_token_ids)
+        d["max_new_tokens"] = int(r.max_new_tokens)
+        d["arrival_s"] = float(r.arrival_s)
+        sp = r.sampling_params if isinstance(r.sampling_params, dict) else r.sampling_params.__dict__
+        d.update({k: sp[k] for k in SAMPLING_KEYS if sp.get(k) not in (None, 0, 0.0)})
+        lines.append(json.dumps(d))
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos: bool = False) -> list[Request]:
+    """Read a JSONL trace into ``Request``s. Sampling parameters stay a dict, validated by the engine (so one bad
+    line fails alone); a line that is not a JSON object with a prompt is an ``InvalidInputError`` naming it."""
+    requests = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidInputError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise InvalidInputError(f"{path}:{n}: expected a JSON object")
+        if "prompt" in d:
+            if tokenizer is None:
+                raise InvalidInputError(f"{path}:{n}: a text prompt needs a tokenizer")
+            ids = tokenizer.encode(d["prompt"])
+        elif "prompt_token_ids" in d:
+            ids = list(d["prompt_token_ids"])
+        elif "prompt_len" in d:
+            ids = random_prompt(vocab_size, int(d["prompt_len"]), seed * 100_003 + len(requests))
+        else:
+            raise InvalidInputError(f"{path}:{n}: needs 'prompt', 'prompt_token_ids' or 'prompt_len'")
+        sampling = {k: d[k] for k in SAMPLING_KEYS if k in d}
+        requests.append(Request(request_id=d.get("request_id", n - 1), prompt_token_ids=ids,
+                                max_new_tokens=d.get("max_new_tokens", 16), sampling_params=sampling or
+                                SamplingParams(), arrival_s=float(d.get("arrival_s", 0.0)), stop_at_eos=stop_at_eos))
+    return requests
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Summaries
+
+
+def _stats(values, prefix: str) -> dict:
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        return {f"mean_{prefix}": None, f"p50_{prefix}": None, f"p99_{prefix}": None}
+    return {f"mean_{prefix}": float(v.mean()), f"p50_{prefix}": float(np.percentile(v, 50)),
+            f"p99_{prefix}": float(np.percentile(v, 99))}
+
+
+def summarize(outputs, duration_s: float | None = None) -> dict:
+    """Throughput and latency of a list of ``RequestOutput``s: output tok/s; mean/p50/p99 of time to first token,
+    inter-token latency (all gaps of all requests pooled) and end-to-end latency, in seconds."""
+    ok = [o for o in outputs if o.finish_reason is not FinishReason.ERROR]
+    tokens = sum(len(o.output_token_ids) for o in ok)
+    if duration_s is None:
+        starts = [o.metrics.arrival_time for o in ok]
+        ends = [o.metrics.finished_time for o in ok if o.metrics.finished_time is not None]
+        duration_s = (max(ends) - min(starts)) if ok and ends else 0.0
+    ttft = [o.metrics.time_to_first_token for o in ok if o.metrics.time_to_first_token is not None]
+    itl = [gap for o in ok for gap in o.metrics.inter_token_latencies]
+    e2e = [o.metrics.e2e_latency for o in ok if o.metrics.e2e_latency is not None]
+    return {"num_requests": len(outputs), "num_errors": len(outputs) - len(ok), "output_tokens": tokens,
+            "duration_s": duration_s, "tokens_per_s": tokens / duration_s if duration_s else None,
+            **_stats(ttft, "ttft_s"), **_stats(itl, "itl_s"), **_stats(e2e, "e2e_s"),
+            "num_preemptions": sum(o.metrics.num_preemptions for o in ok)}

@@ -1,0 +1,299 @@
+"""Chapter 3: batched == one by one. Static batching and continuous batching give every request the tokens (and,
+to float32 rounding, the logits) it gets alone with chapter 2; failures stay with the request that caused them."""
+
+import json
+
+import numpy as np
+import pytest
+from helpers import TINY, reference_dirs, tiny_model
+
+import gpt2_core
+from gpt2_core import kv_cache
+from gpt2_core.engine import LLMEngine, RequestOutput, replay
+from gpt2_core.errors import InvalidInputError
+from gpt2_core.kv_store import ContiguousKVStore
+from gpt2_core.model_runner import Chunk, ragged_forward
+from gpt2_core.sampling import SamplingParams
+from gpt2_core.sequence import FinishReason, Request, SequenceStatus
+from gpt2_core.static_batching import left_pad, left_padding_attention_mask, position_ids, static_generate
+from gpt2_core import workload as wl
+
+MODEL = tiny_model()
+
+
+def random_requests(model, n, seed=0, max_prompt=7, max_new=7, **kw):
+    rng = np.random.default_rng(seed)
+    return [Request(i, rng.integers(0, model.config.vocab_size, size=int(rng.integers(1, max_prompt + 1))).tolist(),
+                    max_new_tokens=int(rng.integers(1, max_new + 1)), stop_at_eos=False, **kw) for i in range(n)]
+
+
+def alone(model, r, **params):
+    return kv_cache.generate(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=r.stop_at_eos, **params)
+
+
+def models():
+    return [("tiny", tiny_model())] + [(d.name, gpt2_core.load_model(d)) for d in reference_dirs()[:1]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The ragged model step
+
+
+@pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
+def test_ragged_step_logits_match_chapter_2_within_1e_4(name, model):
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    store = ContiguousKVStore(model.config, num_slots=4, max_len=16)
+    prompts = [rng.integers(0, V, size=n) for n in (5, 1, 9)]
+    for i, p in enumerate(prompts):
+        store.allocate(i, len(p))
+    logits = ragged_forward(model, store, [Chunk(i, p, 0) for i, p in enumerate(prompts)])  # three prefills
+    assert logits.dtype == np.float32 and logits.shape == (3, V)
+    caches, refs = [], []
+    for p, row in zip(prompts, logits):
+        ref, cache = kv_cache.prefill(model, p, capacity=16, last_only=True)
+        np.testing.assert_allclose(row, ref[0], atol=1e-4)
+        caches.append(cache)
+    tokens = [int(np.argmax(r)) for r in logits]
+    extra = rng.integers(0, V, size=4)  # a fourth sequence joins with its prompt while the three decode
+    store.allocate(3, 4)
+    chunks = [Chunk(i, np.array([t]), len(p)) for i, (p, t) in enumerate(zip(prompts, tokens))] + [Chunk(3, extra, 0)]
+    step = ragged_forward(model, store, chunks)
+    for i, (t, cache) in enumerate(zip(tokens, caches)):
+        np.testing.assert_allclose(step[i], kv_cache.decode_step(model, t, cache), atol=1e-4)
+    np.testing.assert_allclose(step[3], kv_cache.prefill(model, extra, last_only=True)[0][0], atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Continuous batching
+
+
+@pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
+def test_continuous_batching_greedy_equals_chapter_2_for_mixed_lengths_and_arrivals(name, model):
+    for seed, max_num_seqs in [(0, 3), (1, 8)]:
+        requests = random_requests(model, 10, seed=seed)
+        rng = np.random.default_rng(seed)
+        for r in requests:
+            r.arrival_s = int(rng.integers(0, 10))  # in steps
+        engine = LLMEngine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=24, max_len=16)
+        outs = replay(engine, requests, clock="steps")
+        for o in outs:
+            r = requests[o.request_id]
+            assert o.output_token_ids == alone(model, r), (seed, r.request_id)
+            assert o.finish_reason is FinishReason.LENGTH
+        assert engine.store.reserved_tokens() == 0
+        assert max(s.num_seqs for s in engine.step_stats) <= max_num_seqs
+        assert any(s.num_prefill_seqs and s.num_decode_seqs for s in engine.step_stats)  # shared steps happened
+
+
+def test_seeded_sampling_is_independent_of_the_batch_composition():
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=42)
+    probe = Request("probe", [5, 6, 7], max_new_tokens=10, sampling_params=params, stop_at_eos=False)
+    reference = alone(MODEL, probe, temperature=0.9, top_k=20, top_p=0.9, seed=42)
+    for seed, arrival in [(0, 0), (1, 3), (2, 6)]:
+        others = random_requests(MODEL, 6, seed=seed, sampling_params={"temperature": 1.0, "seed": seed})
+        probe_now = Request("probe", [5, 6, 7], max_new_tokens=10, sampling_params=params, stop_at_eos=False,
+                            arrival_s=arrival)
+        outs = replay(LLMEngine(MODEL, max_num_seqs=4, max_len=16), others + [probe_now], clock="steps")
+        assert next(o for o in outs if o.request_id == "probe").output_token_ids == reference
+
+
+def test_stop_token_eos_and_max_new_tokens_end_a_sequence():
+    engine = LLMEngine(MODEL, max_num_seqs=4, max_len=16)
+    free = alone(MODEL, Request(0, [1, 2, 3], max_new_tokens=12, stop_at_eos=False))
+    stop_at = free[4]
+    outs = engine.generate_many([Request("stop", [1, 2, 3], 12, stop_token_id=stop_at, stop_at_eos=False),
+                                 Request("len", [1, 2, 3], 3, stop_at_eos=False),
+                                 Request("zero", [1, 2, 3], 0)])
+    assert outs[0].output_token_ids == free[:free.index(stop_at) + 1] and outs[0].finish_reason is FinishReason.STOP
+    assert outs[1].output_token_ids == free[:3] and outs[1].finish_reason is FinishReason.LENGTH
+    assert outs[2].output_token_ids == [] and outs[2].finish_reason is FinishReason.LENGTH
+    eos_model = tiny_model(seed=3)
+    ids = alone(eos_model, Request(0, [1], max_new_tokens=15, stop_at_eos=False))
+    out = LLMEngine(eos_model, max_len=16).generate_many([Request("eos", [1], 15)])[0]
+    expected = ids[:ids.index(TINY.eos_token_id) + 1] if TINY.eos_token_id in ids else ids
+    assert out.output_token_ids == expected
+
+
+def test_stream_and_callback_deliver_each_token_once_in_order():
+    requests = random_requests(MODEL, 5, seed=4)
+    engine = LLMEngine(MODEL, max_num_seqs=2, max_len=16)
+    seen = {}
+    for r in requests:
+        engine.add_request(r, on_token=lambda seq, tok: seen.setdefault(seq.request_id, []).append(tok))
+    streamed = list(engine.stream(3))  # steps the whole engine until request 3 is done
+    assert streamed == alone(MODEL, requests[3])
+    engine.run_until_done()
+    for r in requests:
+        assert seen[r.request_id] == alone(MODEL, r)
+        assert engine.get_sequence(r.request_id).is_finished
+    assert list(engine.stream(3)) == []  # already delivered
+
+
+def test_step_returns_request_id_token_pairs_and_records_metrics():
+    engine = LLMEngine(MODEL, max_num_seqs=4, max_len=16)
+    requests = random_requests(MODEL, 3, seed=5)
+    for r in requests:
+        engine.add_request(r)
+    first = engine.step()
+    assert [rid for rid, _ in first] == [0, 1, 2] and all(isinstance(t, int) for _, t in first)
+    engine.run_until_done()
+    s0 = engine.step_stats[0]
+    assert (s0.num_prefill_seqs, s0.num_decode_seqs) == (3, 0)
+    assert s0.num_batched_tokens == sum(len(r.prompt_token_ids) for r in requests)
+    assert s0.kv_slots_in_use == 3 and s0.kv_reserved_tokens == 3 * 16
+    for o in engine.outputs():
+        m = o.metrics
+        assert len(m.token_times) == len(o.output_token_ids)
+        assert m.time_to_first_token >= 0 and m.e2e_latency >= m.time_to_first_token
+        assert len(m.inter_token_latencies) == len(o.output_token_ids) - 1
+    summary = wl.summarize(engine.outputs())
+    assert summary["output_tokens"] == sum(r.max_new_tokens for r in requests) and summary["num_errors"] == 0
+
+
+def test_invalid_requests_and_failing_samplers_fail_alone():
+    calls = {"n": 0}
+
+    def explodes_on_third_token(token_ids, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("user code failed")
+        return logits
+
+    good = random_requests(MODEL, 4, seed=6)
+    bad = [
+        Request("long", list(range(1, 15)), max_new_tokens=5),  # 19 > n_ctx = 16
+        Request("oov", [1, 2, TINY.vocab_size], max_new_tokens=3),
+        Request("empty", [], max_new_tokens=3),
+        Request("temp", [1, 2], max_new_tokens=3, sampling_params={"temperature": -1}),
+        Request("key", [1, 2], max_new_tokens=3, sampling_params={"temprature": 0.5}),
+        Request("kind", [1, 2], max_new_tokens=3, sampling_params=0.5),
+        Request("neg", [1, 2], max_new_tokens=-1),
+        Request("stop", [1, 2], max_new_tokens=3, stop_token_id=TINY.vocab_size + 1),
+        Request("raises", [3, 4], max_new_tokens=8, logits_processor=explodes_on_third_token),
+    ]
+    engine = LLMEngine(MODEL, max_num_seqs=3, max_len=16)
+    outs = {o.request_id: o for o in engine.generate_many(good[:2] + bad + good[2:])}
+    for r in good:
+        assert outs[r.request_id].output_token_ids == alone(MODEL, r)
+    messages = {"long": "exceeds the context n_ctx=16", "oov": "token id 101 is out of range",
+                "empty": "empty", "temp": "temperature must be", "key": "temprature", "kind": "SamplingParams",
+                "neg": "max_new_tokens must be", "stop": "stop_token_id", "raises": "RuntimeError: user code failed"}
+    for rid, text in messages.items():
+        o = outs[rid]
+        assert o.finish_reason is FinishReason.ERROR and text in o.error and repr(rid) in o.error, (rid, o.error)
+    assert len(outs["raises"].output_token_ids) == 2  # its tokens before the failure are kept
+    assert engine.store.reserved_tokens() == 0 and len(engine.store.free_slots) == 3
+    with pytest.raises(InvalidInputError, match="already"):
+        engine.add_request(Request("long", [1], 1))
+
+
+def test_wall_clock_replay_runs_everything():
+    requests = random_requests(MODEL, 4, seed=7)
+    for i, r in enumerate(requests):
+        r.arrival_s = 0.001 * i
+    outs = replay(LLMEngine(MODEL, max_len=16), requests)  # no timing assertions: only that it completes
+    assert [o.output_token_ids for o in outs] == [alone(MODEL, r) for r in requests]
+    with pytest.raises(InvalidInputError):
+        replay(LLMEngine(MODEL, max_len=16), requests, clock="virtual")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Static batching
+
+
+def test_left_padding_mask_and_positions():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    np.testing.assert_array_equal(ids, [[5, 6, 7], [0, 0, 8]])
+    np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 1]])
+    np.testing.assert_array_equal(position_ids(mask), [[0, 1, 2], [0, 0, 0]])
+    m = left_padding_attention_mask(mask, 3)
+    assert m.shape == (2, 1, 3, 3)
+    np.testing.assert_array_equal(m[0, 0], np.tril(np.ones((3, 3), bool)))
+    np.testing.assert_array_equal(m[1, 0], [[1, 0, 0], [0, 1, 0], [0, 0, 1]])  # pads see only themselves
+    decode_mask = np.concatenate([mask, np.ones((2, 1), bool)], axis=1)
+    np.testing.assert_array_equal(left_padding_attention_mask(decode_mask, 1)[:, 0, 0], [[1, 1, 1, 1], [0, 0, 1, 1]])
+
+
+@pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
+def test_static_batching_greedy_rows_equal_chapter_2(name, model):
+    requests = random_requests(model, 6, seed=8)
+    out = static_generate(model, [r.prompt_token_ids for r in requests], [r.max_new_tokens for r in requests],
+                          stop_at_eos=False)
+    for r, tokens in zip(requests, out.output_token_ids):
+        assert tokens == alone(model, r)
+    assert len(out.active_rows) == max(r.max_new_tokens for r in requests)  # runs as long as the longest row
+    assert out.active_rows[0] == 6 and out.slot_utilisation < 1
+
+
+def test_static_batching_seeded_sampling_matches_chapter_2():
+    requests = random_requests(MODEL, 4, seed=9)
+    params = [SamplingParams(temperature=0.8, top_k=30, seed=i) for i in range(4)]
+    out = static_generate(MODEL, [r.prompt_token_ids for r in requests], [r.max_new_tokens for r in requests],
+                          params, stop_at_eos=False)
+    for i, (r, tokens) in enumerate(zip(requests, out.output_token_ids)):
+        assert tokens == alone(MODEL, r, temperature=0.8, top_k=30, seed=i)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Workloads and traces
+
+
+def test_standard_workload_is_seeded_and_in_range():
+    a, b = wl.standard_workload(seed=0), wl.standard_workload(seed=0)
+    assert [(r.prompt_token_ids, r.max_new_tokens, r.arrival_s) for r in a] == \
+           [(r.prompt_token_ids, r.max_new_tokens, r.arrival_s) for r in b]
+    assert wl.standard_workload(seed=1)[3].prompt_token_ids != a[3].prompt_token_ids
+    assert all(16 <= len(r.prompt_token_ids) <= 256 and 16 <= r.max_new_tokens <= 256 for r in a)
+    arrivals = [r.arrival_s for r in a]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals)
+
+
+def test_trace_round_trip_and_errors(tmp_path):
+    requests = wl.poisson_workload(5, 2.0, TINY.vocab_size, seed=3, prompt_len=(4, 0.5, 1, 8),
+                                   output_len=(4, 0.5, 1, 8))
+    requests[1].sampling_params = SamplingParams(temperature=0.7, seed=5)
+    path = tmp_path / "t.jsonl"
+    wl.save_trace(requests, path, with_token_ids=True)
+    back = wl.load_trace(path, TINY.vocab_size)
+    assert [(r.prompt_token_ids, r.max_new_tokens, r.arrival_s) for r in back] == \
+           [(r.prompt_token_ids, r.max_new_tokens, r.arrival_s) for r in requests]
+    assert back[1].sampling_params == {"temperature": 0.7, "seed": 5}
+    wl.save_trace(requests, path)
+    lens = [len(r.prompt_token_ids) for r in wl.load_trace(path, TINY.vocab_size)]
+    assert lens == [len(r.prompt_token_ids) for r in requests]
+    path.write_text(json.dumps({"prompt": "hello", "max_new_tokens": 2}) + "\n")
+    with pytest.raises(InvalidInputError, match="tokenizer"):
+        wl.load_trace(path, TINY.vocab_size)
+    path.write_text('{"max_new_tokens": 2}\n')
+    with pytest.raises(InvalidInputError, match=":1: needs"):
+        wl.load_trace(path, TINY.vocab_size)
+    path.write_text('{"prompt_len": 3, "temperature": -2}\n')
+    out = LLMEngine(MODEL, max_len=16).generate_many(wl.load_trace(path, TINY.vocab_size))[0]
+    assert out.finish_reason is FinishReason.ERROR  # a bad line fails alone, in the engine
+
+
+def test_committed_trace_is_the_standard_workload():
+    trace = wl.load_trace(wl.Path(__file__).resolve().parent.parent / "data" / "traces" / "standard_workload.jsonl",
+                          50257)
+    std = wl.standard_workload()
+    assert [(r.prompt_token_ids, r.max_new_tokens, r.arrival_s) for r in trace] == \
+           [(r.prompt_token_ids, r.max_new_tokens, r.arrival_s) for r in std]  # the same prompts, too
+
+
+def test_benchmark_strategies_agree_and_utilisation_is_a_fraction():
+    from gpt2_core import bench_batching as bb
+    from gpt2_core.static_batching import replay_static
+
+    requests = random_requests(MODEL, 6, seed=10)
+    seq = bb.replay_sequential(MODEL, requests, clock="offline")
+    static, batches = replay_static(MODEL, requests, batch_size=4, clock="offline")
+    cont, engine = bb.run_continuous(MODEL, requests, max_num_seqs=4, max_len=16, clock="steps")
+    for a, b, c, r in zip(seq, static, cont, requests):
+        assert a.output_token_ids == b.output_token_ids == c.output_token_ids == alone(MODEL, r)
+    assert [b["batch_size"] for b in batches] == [4, 2]
+    for u in (bb.utilisation_from_steps(bb.sequential_intervals(seq), 4),
+              bb.utilisation_from_steps(bb.static_intervals(batches), 4),
+              bb.utilisation_from_steps(bb.engine_intervals(engine), 4)):
+        assert 0 < u <= 1
+    assert bb.utilisation_from_steps([(0.0, 1.0, 2), (1.0, 3.0, 4)], 4) == (2 + 8) / 12

@@ -1,0 +1,340 @@
+"""Classroom round trip with nbgrader, on every chapter notebook that exists (``notebooks/NN_*.ipynb``).
+
+Once per test session: a course directory is made in a temporary directory, every chapter is released with
+``nbgrader generate_assignment``, and three submissions per chapter are autograded with ``nbgrader autograde``
+(one call per chapter grades all three):
+
+- ``reference``: the chapter notebook as committed (the teacher's solutions)   -> full marks
+- ``untouched``: the student version as released (every exercise raises NotImplementedError) -> 0, no crash
+- ``one_solved``: the student version with only the first exercise's reference solution typed in -> exactly the
+  points of that exercise
+
+Then the learner's self-check (``pytest --nbval-lax``, no nbgrader) runs on each chapter's ``one_solved`` version.
+Grading executes whole notebooks: set ``GPT2_QUICK=1`` (the README's test command does). Needs nbgrader (the
+``classroom`` extra); the tests are skipped without it.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from gpt2_core import classroom
+from gpt2_core.classroom import (HIDDEN_BEGIN, HIDDEN_END, SOLUTION_BEGIN, SOLUTION_END, Course, cell_source,
+                                 chapter_notebooks, nbgrader_cells, read_notebook, strip_solution_markers)
+
+pytest.importorskip("nbgrader", reason="the classroom extra is not installed: pip install -e '.[classroom]'")
+
+CHAPTERS = chapter_notebooks()
+IDS = [p.stem for p in CHAPTERS]
+STUDENTS = ("reference", "untouched", "one_solved")
+
+
+# --- building submissions --------------------------------------------------------------------------------------
+
+def first_exercise(nb: dict):
+    """(solution cells, test cell) of the notebook's first autograded exercise."""
+    solutions = []
+    for c in nbgrader_cells(nb):
+        if c.kind == "solution":
+            solutions.append(c)
+        elif c.kind == "tests":
+            return solutions, c
+    raise AssertionError("no autograded exercise")
+
+
+def solve_first_exercise(reference: dict, student: dict) -> dict:
+    """The student version with the first exercise's reference solution typed in (markers removed), the rest as
+    released. Cells are matched by nbgrader grade_id, as nbgrader itself does."""
+    solutions, _ = first_exercise(reference)
+    nb = json.loads(json.dumps(student))
+    by_id = {cell["metadata"]["nbgrader"]["grade_id"]: cell for cell in nb["cells"]
+             if cell.get("metadata", {}).get("nbgrader")}
+    for c in solutions:
+        by_id[c.grade_id]["source"] = strip_solution_markers(c.source)
+    return nb
+
+
+def write_notebook(nb: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb, indent=1))
+    return path
+
+
+# --- the session's round trip ----------------------------------------------------------------------------------
+
+@dataclass
+class RoundTrip:
+    course: Course
+    released: dict
+    grades: dict                      # (student, chapter) -> {grade_id: (score, max_score)}
+    seconds: dict = field(default_factory=dict)  # "release", and per chapter "autograde <chapter>"
+    table: str = ""
+
+
+@pytest.fixture(scope="session")
+def round_trip(tmp_path_factory, request) -> RoundTrip:
+    root = tmp_path_factory.mktemp("course")
+    t0 = time.perf_counter()
+    course = Course.create(root, CHAPTERS)
+    released = course.release()
+    seconds = {"release (all chapters)": time.perf_counter() - t0}
+    subs = tmp_path_factory.mktemp("submissions")
+    for path in CHAPTERS:
+        reference = read_notebook(path)
+        student = read_notebook(released[path.stem])
+        for who, nb in (("reference", reference), ("untouched", student),
+                        ("one_solved", solve_first_exercise(reference, student))):
+            course.submit(who, write_notebook(nb, subs / who / path.name))
+    for path in CHAPTERS:
+        t0 = time.perf_counter()
+        course.autograde(path.stem)  # one nbgrader call grades the three submissions of the chapter
+        seconds[f"autograde {path.stem} (3 submissions)"] = time.perf_counter() - t0
+    course.export()
+    rows = course.grades()
+    grades = {}
+    for g in rows:
+        grades.setdefault((g.student, g.chapter), {})[g.exercise] = (g.score, g.max_score)
+    table = classroom.grade_table(rows)
+    report = ("\n\nclassroom round trip (nbgrader):\n" + table + "\n" +
+              "\n".join(f"{k}: {v:.1f} s" for k, v in seconds.items()) + "\n")
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        print(report)  # in CI's log: the grade table and the time of each step
+    return RoundTrip(course, released, grades, seconds, table)
+
+
+def autograded(rt: RoundTrip, student: str, chapter: str) -> dict:
+    path = rt.course.autograded(student, chapter)
+    assert path.exists(), f"nbgrader wrote no autograded notebook for {student}/{chapter}"
+    return read_notebook(path)
+
+
+def distinctive_lines(nb: dict, begin: str, end: str) -> set[str]:
+    """Stripped code lines inside ``begin``/``end`` regions that occur nowhere else in the notebook (so finding one
+    in the student version means the region leaked, not that the package code shown in the chapter has it too)."""
+    inside, outside = set(), set()
+    for cell in nb["cells"]:
+        depth = 0
+        for line in cell_source(cell).split("\n"):
+            s = line.strip()
+            if s in (begin, end):
+                depth = s == begin
+            elif s and not s.startswith("#"):
+                (inside if depth else outside).add(s)
+    return {s for s in inside - outside if len(s) > 3}
+
+
+# --- release ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chapter", IDS)
+def test_release_removes_solutions_hidden_tests_and_outputs(round_trip, chapter):
+    source = read_notebook(round_trip.course.root / "source" / chapter / f"{chapter}.ipynb")
+    student_path = round_trip.released[chapter]
+    student = read_notebook(student_path)
+    text = student_path.read_text()
+    for marker in (SOLUTION_BEGIN, SOLUTION_END, HIDDEN_BEGIN, HIDDEN_END):
+        assert marker not in text, f"{chapter}: student version still contains {marker!r}"
+    student_lines = {line.strip() for cell in student["cells"] for line in cell_source(cell).split("\n")}
+    for kind, (begin, end) in (("solution", (SOLUTION_BEGIN, SOLUTION_END)), ("hidden test", (HIDDEN_BEGIN, HIDDEN_END))):
+        lines = distinctive_lines(source, begin, end)
+        assert lines, f"{chapter}: no {kind} lines found to check"
+        leaked = sorted(lines & student_lines)
+        assert not leaked, f"{chapter}: {kind} text in the student version: {leaked[:3]}"
+    for cell in student["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None, f"{chapter}: outputs not cleared"
+    # the exercises are all there, with their points, and each solution cell is a stub
+    assert {c.grade_id: c.points for c in nbgrader_cells(student)} == \
+           {c.grade_id: c.points for c in nbgrader_cells(source)}
+    for c in nbgrader_cells(student):
+        if c.kind == "solution" and c.cell_type == "code":
+            assert "raise NotImplementedError()" in c.source
+
+
+# --- autograde -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chapter", IDS)
+def test_reference_notebook_gets_full_marks(round_trip, chapter):
+    grades = round_trip.grades[("reference", chapter)]
+    expected = classroom.exercise_points(CHAPTERS[IDS.index(chapter)])
+    assert set(expected) <= set(grades)
+    assert {k: grades[k] for k in expected} == {k: (p, p) for k, p in expected.items()}, \
+        f"{chapter}: the reference solutions do not pass their own tests"
+    nb = autograded(round_trip, "reference", chapter)
+    failing = {i: o["ename"] for i, cell in enumerate(nb["cells"]) if cell["cell_type"] == "code"
+               for o in cell["outputs"] if o["output_type"] == "error"}
+    assert not failing, f"{chapter}: cells of the committed notebook fail when nbgrader runs it: {failing}"
+
+
+@pytest.mark.parametrize("chapter", IDS)
+def test_untouched_student_version_gets_zero_and_grading_runs_to_the_end(round_trip, chapter):
+    expected = classroom.exercise_points(CHAPTERS[IDS.index(chapter)])
+    grades = round_trip.grades[("untouched", chapter)]
+    assert {k: grades[k] for k in expected} == {k: (0.0, p) for k, p in expected.items()}
+    # NotImplementedError in the first exercise did not stop the notebook: every code cell ran, and every test
+    # cell failed with an error nbgrader recorded (not a kernel crash or a timeout)
+    nb = autograded(round_trip, "untouched", chapter)
+    code = [cell for cell in nb["cells"] if cell["cell_type"] == "code"]
+    assert all(cell["execution_count"] is not None for cell in code), f"{chapter}: not every cell was executed"
+    for c in nbgrader_cells(nb):
+        if c.kind == "tests":
+            errors = [o for o in nb["cells"][c.index]["outputs"] if o["output_type"] == "error"]
+            assert errors and errors[0]["ename"] != "CellTimeoutError", f"{chapter}: {c.grade_id}: {errors}"
+    # and nothing outside the exercises breaks in the student version (no later cell uses an exercise's function)
+    exercise_cells = {c.index for c in nbgrader_cells(nb) if c.kind in ("tests", "solution")}
+    failing = {i for i, cell in enumerate(nb["cells"]) if cell["cell_type"] == "code"
+               and any(o["output_type"] == "error" for o in cell["outputs"])}
+    assert failing <= exercise_cells, f"{chapter}: cells {sorted(failing - exercise_cells)} fail in the student " \
+                                      "version but are not exercises"
+
+
+@pytest.mark.parametrize("chapter", IDS)
+def test_one_solved_exercise_gets_exactly_its_points(round_trip, chapter):
+    path = CHAPTERS[IDS.index(chapter)]
+    expected = classroom.exercise_points(path)
+    _, solved = first_exercise(read_notebook(path))
+    grades = round_trip.grades[("one_solved", chapter)]
+    want = {k: ((p if k == solved.grade_id else 0.0), p) for k, p in expected.items()}
+    assert {k: grades[k] for k in expected} == want
+    assert sum(grades[k][0] for k in expected) == solved.points
+
+
+@pytest.mark.parametrize("chapter", IDS)
+def test_grading_ran_the_hidden_tests(round_trip, chapter):
+    """nbgrader puts the locked test cells back from its gradebook (hidden tests included) before executing."""
+    source = read_notebook(round_trip.course.root / "source" / chapter / f"{chapter}.ipynb")
+    nb = autograded(round_trip, "one_solved", chapter)
+    src = {c.grade_id: c.source for c in nbgrader_cells(source) if c.kind == "tests"}
+    got = {c.grade_id: c.source for c in nbgrader_cells(nb) if c.kind == "tests"}
+    assert got == src
+    assert all(HIDDEN_BEGIN in s for s in got.values())
+
+
+def test_nbgrader_export_has_a_row_per_submission(round_trip):
+    import csv
+
+    with open(round_trip.course.root / "grades.csv") as f:
+        rows = list(csv.DictReader(f))
+    by = {(r["student_id"], r["assignment"]): r for r in rows}
+    for path in CHAPTERS:
+        points = sum(classroom.exercise_points(path).values())
+        assert float(by["reference", path.stem]["score"]) == points
+        assert float(by["untouched", path.stem]["score"]) == 0
+        assert float(by["reference", path.stem]["max_score"]) >= points
+
+
+# --- the learner's self-check without nbgrader --------------------------------------------------------------------
+
+@pytest.mark.parametrize("chapter", IDS[:1])
+def test_learner_self_check_with_nbval(round_trip, chapter, tmp_path):
+    """``pytest --nbval-lax --nbval-current-env NOTEBOOK`` (the command in notebooks/TEACHING.md) on the student
+    version with the first exercise solved: that exercise's visible tests pass, every other exercise fails, and
+    no cell outside the exercises fails. Chapter 1 only: each run executes the whole notebook once more, and the
+    other chapters' student versions are already shown to run cleanly outside their exercises by autograding
+    ``untouched``."""
+    path = CHAPTERS[IDS.index(chapter)]
+    nb = read_notebook(round_trip.course.root / "submitted" / "one_solved" / chapter / f"{chapter}.ipynb")
+    mine = write_notebook(nb, tmp_path / "my_work" / path.name)
+    junit = tmp_path / "report.xml"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(classroom.PACKAGE_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider",
+                           "--nbval-lax", "--nbval-current-env", f"--junitxml={junit}", str(mine)],
+                          cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # 1 = some tests failed
+    failed = set()
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        m = re.search(r"Cell (\d+)", case.get("name", ""))
+        if m and (case.find("failure") is not None or case.find("error") is not None):
+            failed.add(int(m.group(1)))
+    code_index = {}  # notebook cell index -> nbval's "Cell N" (N counts code cells from 0)
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] == "code":
+            code_index[i] = len(code_index)
+    _, solved = first_exercise(read_notebook(path))
+    tests = {c.grade_id: code_index[c.index] for c in nbgrader_cells(nb) if c.kind == "tests"}
+    assert failed == {n for gid, n in tests.items() if gid != solved.grade_id}, proc.stdout[-3000:]
+
+
+# --- the command line, on a small notebook of the same format -------------------------------------------------------
+
+def small_chapter(directory: Path) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}}
+
+    def meta(grade_id, tests, points=0):
+        m = {"grade": tests, "grade_id": grade_id, "locked": tests, "schema_version": 3, "solution": not tests,
+             "task": False}
+        if tests:
+            m["points"] = points
+        return {"nbgrader": m}
+
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# A small chapter"),
+        nbformat.v4.new_code_cell("import numpy as np"),
+        nbformat.v4.new_code_cell("def square(x):\n    ### BEGIN SOLUTION\n    return x * x\n    ### END SOLUTION",
+                                  metadata=meta("square", False)),
+        nbformat.v4.new_code_cell("assert square(3) == 9\n### BEGIN HIDDEN TESTS\nassert square(-4) == 16\n"
+                                  "### END HIDDEN TESTS", metadata=meta("square_tests", True, 2)),
+        nbformat.v4.new_code_cell("def norm(v):\n    ### BEGIN SOLUTION\n    return float(np.sqrt(v @ v))\n"
+                                  "    ### END SOLUTION", metadata=meta("norm", False)),
+        nbformat.v4.new_code_cell("assert norm(np.array([3.0, 4.0])) == 5\n### BEGIN HIDDEN TESTS\n"
+                                  "assert norm(np.zeros(3)) == 0\n### END HIDDEN TESTS",
+                                  metadata=meta("norm_tests", True, 3)),
+    ]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "01_small.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def run_cli(*args, cwd, expect=0):
+    env = dict(os.environ, TMPDIR=str(cwd), PYTHONPATH=os.pathsep.join(  # the fresh course goes in cwd
+        [str(classroom.PACKAGE_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, "-m", "gpt2_core", "classroom", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == expect, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_cli_release_autograde_and_grades(tmp_path):
+    chapters = tmp_path / "chapters"
+    source = small_chapter(chapters)
+
+    out = run_cli("release", "--out", tmp_path / "course", "--notebooks", chapters, cwd=tmp_path)
+    student = tmp_path / "course" / "release" / "01_small" / "01_small.ipynb"
+    assert str(student) in out and "5 points" in out
+    assert "return x * x" not in student.read_text() and "square(-4)" not in student.read_text()
+
+    subs = tmp_path / "submissions"
+    (subs / "ada").mkdir(parents=True)
+    (subs / "ada" / "01_small.ipynb").write_bytes(source.read_bytes())
+    (subs / "bob").mkdir()
+    (subs / "bob" / "01_small.ipynb").write_bytes(student.read_bytes())
+    (subs / "cy" / "01_small").mkdir(parents=True)  # nbgrader's own layout works too
+    cy = solve_first_exercise(read_notebook(source), read_notebook(student))
+    write_notebook(cy, subs / "cy" / "01_small" / "01_small.ipynb")
+
+    (subs / "dan").mkdir()
+    (subs / "dan" / "01_small.ipynb").write_text("{not a notebook")  # nbgrader fails on it, grades the others
+
+    out = run_cli("autograde", subs, "--course", tmp_path / "course", "--out", tmp_path / "grades.csv", cwd=tmp_path,
+                  expect=1)
+    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines()[2:] if line.startswith(("ada", "bob", "cy"))}
+    assert rows == {"ada": "5/5", "bob": "0/5", "cy": "2/5"}, out
+    csv_rows = (tmp_path / "grades.csv").read_text().splitlines()
+    assert csv_rows[0] == "student,chapter,exercise,score,max_score,needs_manual_grade"
+    assert "cy,01_small,square_tests,2,2,0" in csv_rows and "cy,01_small,norm_tests,0,3,0" in csv_rows
+    assert (tmp_path / "grades_nbgrader.csv").exists()
+
+    assert re.search(r"course directory: (\S+)", out).group(1) == str((tmp_path / "course").resolve())
+    again = run_cli("grades", "--course", tmp_path / "course", cwd=tmp_path)
+    assert again.splitlines()[:5] == out.splitlines()[:5]
