@@ -68,8 +68,9 @@ def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int) -> lis
     return times
 
 
-def hf_decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, threads: int) -> list[float] | None:
-    """The same loop with HuggingFace transformers (torch, CPU, its own KV cache), or None if not installed."""
+def hf_reference_model(model: GPT2Model, threads: int):
+    """``(torch, an HF GPT2LMHeadModel of model's shape, random weights, eval mode)``, or None without the
+    ``reference`` extra. Torch gets the same thread count as our BLAS."""
     try:
         import torch
         from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
@@ -79,6 +80,16 @@ def hf_decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, thr
     c = model.config
     hf = GPT2LMHeadModel(HFConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
                                   n_head=c.n_head, n_layer=c.n_layer)).eval()
+    return torch, hf
+
+
+def hf_decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, threads: int) -> list[float] | None:
+    """The same loop with HuggingFace transformers (torch, CPU, its own KV cache), or None if not installed."""
+    reference = hf_reference_model(model, threads)
+    if reference is None:
+        return None
+    torch, hf = reference
+    c = model.config
     ids = torch.randint(0, c.vocab_size, (1, prompt_len))
     times = []
     with torch.inference_mode():

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .bench import gemm_flops, gemv_bandwidth, weight_bytes_per_token
+from .bench import gemm_flops, gemv_bandwidth, hf_reference_model, weight_bytes_per_token
 from .engine import LLMEngine, RequestOutput, replay
 from .kv_cache import generate_stream
 from .kv_store import ContiguousKVStore
@@ -60,15 +60,10 @@ def replay_sequential(model: GPT2Model, requests, clock: str = "wall") -> list[R
 def replay_hf(model: GPT2Model, requests, batch_size: int, threads: int):
     """HF transformers' batched ``generate`` (greedy, left padding, its own KV cache), batched like ``static``.
     Returns (outputs, batches) like ``replay_static``, or None if torch/transformers are not installed."""
-    try:
-        import torch
-        from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
-    except ImportError:
+    reference = hf_reference_model(model, threads)
+    if reference is None:
         return None
-    torch.set_num_threads(threads)
-    c = model.config
-    hf = GPT2LMHeadModel(HFConfig(vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd,
-                                  n_head=c.n_head, n_layer=c.n_layer)).eval()
+    torch, hf = reference
     hf.generation_config.eos_token_id = None  # eos ignored, as in the workload: every row makes its budget
     hf.generation_config.pad_token_id = 0
 
