@@ -26,7 +26,7 @@ from .kv_store import ContiguousKVStore
 from .measure import QUICK, blas_info
 from .model_runner import Chunk, ragged_forward
 from .sequence import FinishReason, SequenceMetrics
-from .static_batching import replay_static
+from .static_batching import arrival_batches, replay_static
 from .weights import GPT2Model, random_model
 from . import workload as wl
 
@@ -79,17 +79,8 @@ def replay_hf(model: GPT2Model, requests, batch_size: int, threads: int):
         def end(self):
             pass
 
-    queue = sorted(requests, key=lambda r: r.arrival_s)
-    t0, results, batches, i = time.perf_counter(), [], [], 0
-    while i < len(queue):
-        now = time.perf_counter() - t0
-        if queue[i].arrival_s > now:
-            time.sleep(queue[i].arrival_s - now)
-            now = queue[i].arrival_s
-        batch = []
-        while i < len(queue) and len(batch) < batch_size and queue[i].arrival_s <= now:
-            batch.append(queue[i])
-            i += 1
+    t0, results, batches = time.perf_counter(), [], []
+    for batch in arrival_batches(requests, batch_size, t0=t0):
         T = max(len(r.prompt_token_ids) for r in batch)
         ids = torch.zeros((len(batch), T), dtype=torch.long)
         mask = torch.zeros((len(batch), T), dtype=torch.long)

@@ -158,17 +158,14 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     return out
 
 
-def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str = "wall", pad_id: int = 0):
-    """Serve ``requests`` (``sequence.Request``) with static batches: take up to ``batch_size`` arrived requests,
-    run the batch to its end, repeat. Returns (RequestOutput list in arrival order, list of batch records).
+def arrival_batches(requests, batch_size: int, clock: str = "wall", t0: float | None = None):
+    """Yield static batches: wait for the next arrival, then take up to ``batch_size`` requests that have arrived.
 
-    ``clock="wall"`` honours ``arrival_s``; ``clock="offline"`` treats every request as arrived at the start.
+    ``clock="wall"`` honours ``arrival_s`` (sleeping until it), counted from ``t0`` (default: now);
+    ``clock="offline"`` treats all as arrived at once.
     """
-    from .engine import RequestOutput
-
     queue = sorted(requests, key=lambda r: r.arrival_s)
-    t0 = time.perf_counter()
-    results, batches, i = [], [], 0
+    t0, i = time.perf_counter() if t0 is None else t0, 0
     while i < len(queue):
         now = time.perf_counter() - t0 if clock == "wall" else float("inf")  # "offline": all arrived
         if queue[i].arrival_s > now:
@@ -178,6 +175,19 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
         while i < len(queue) and len(batch) < batch_size and queue[i].arrival_s <= now:
             batch.append(queue[i])
             i += 1
+        yield batch
+
+
+def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str = "wall", pad_id: int = 0):
+    """Serve ``requests`` (``sequence.Request``) with static batches: take up to ``batch_size`` arrived requests,
+    run the batch to its end, repeat. Returns (RequestOutput list in arrival order, list of batch records).
+
+    ``clock="wall"`` honours ``arrival_s``; ``clock="offline"`` treats every request as arrived at the start.
+    """
+    from .engine import RequestOutput
+
+    t0, results, batches = time.perf_counter(), [], []
+    for batch in arrival_batches(requests, batch_size, clock, t0):
         start = time.perf_counter()
         out = static_generate(model, [r.prompt_token_ids for r in batch], [r.max_new_tokens for r in batch],
                               [r.sampling_params for r in batch], stop_at_eos=batch[0].stop_at_eos, pad_id=pad_id)
