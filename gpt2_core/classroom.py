@@ -153,9 +153,9 @@ class Course:
         # nbgrader runs the `alembic` executable by name when it creates a gradebook: put this interpreter's
         # scripts first on PATH, so an unactivated virtual environment (.venv/bin/python -m ...) works too.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        # Grade with the notebooks' small benchmark sizes unless told otherwise (GPT2_QUICK=0): no exercise depends on
-        # them, and a class of 30 x 4 chapters at full size would take hours.
-        env.setdefault("GPT2_QUICK", "1")
+        # nbgrader sets NBGRADER_EXECUTION in the kernels it grades with; gpt2_core.measure.GRADING then times every
+        # benchmark cell once on a 2-layer model: no exercise depends on timings, and a class of 30 x 4 chapters at
+        # full size would take hours.
         if (PACKAGE_ROOT / "pyproject.toml").exists():  # a source checkout: the kernels import this gpt2_core
             env["PYTHONPATH"] = os.pathsep.join(p for p in [str(PACKAGE_ROOT), env.get("PYTHONPATH", "")] if p)
         proc = subprocess.run(cmd, cwd=self.root, capture_output=True, text=True, env=env)
