@@ -106,11 +106,10 @@ def store_projections_column_major(params: dict) -> dict:
     on ``mlp.c_proj``. The other matrices (``out > in``) are already fastest row-major. No extra memory: a copy
     replaces the row-major array. Every chapter's code is unchanged (NumPy hands BLAS the layout with the array).
     """
-    for block in params.get("h", []):
+    for block in params["h"]:
         for module, name in COLUMN_MAJOR_WEIGHTS:
-            layer = block.get(module, {}).get(name)
-            if layer is not None and getattr(layer.get("weight"), "ndim", 0) == 2:
-                layer["weight"] = np.asfortranarray(layer["weight"])
+            layer = block[module][name]
+            layer["weight"] = np.asfortranarray(layer["weight"])
     return params
 
 

@@ -67,3 +67,16 @@ def reference_dirs() -> list[Path]:
 
 def prompts(npz) -> list[tuple[np.ndarray, np.ndarray]]:
     return [(npz[f"input_ids_{i}"], npz[f"logits_{i}"]) for i in range(int(npz["num_prompts"]))]
+
+
+def run_counted_state_machine(machine, max_examples: int, steps: int, min_operations: int) -> int:
+    """Run a hypothesis state machine deterministically (the same examples every run, no example database) and
+    check that its rules did at least ``min_operations`` operations (the class counts them in ``operations``)."""
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    machine.operations = 0
+    run_state_machine_as_test(machine, settings=settings(max_examples=max_examples, stateful_step_count=steps,
+                                                         derandomize=True, deadline=None, database=None))
+    assert machine.operations >= min_operations, machine.operations
+    return machine.operations

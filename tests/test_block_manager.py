@@ -3,9 +3,9 @@ well over 10,000 random allocate / append / fork / free / preempt operations and
 block leaks and none is held by two sequences except through a fork; at the end the whole pool is free."""
 
 import pytest
-from hypothesis import settings
+from helpers import run_counted_state_machine
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpt2_core.block_manager import BlockAllocator, BlockManager, blocks_needed, internal_fragmentation
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
@@ -275,10 +275,7 @@ class BlockTableMachine(RuleBasedStateMachine):
 
 
 def test_random_operations_never_leak_or_share_a_block_by_accident():
-    BlockTableMachine.operations = 0
-    run_state_machine_as_test(BlockTableMachine, settings=settings(
-        max_examples=150, stateful_step_count=100, derandomize=True, deadline=None, database=None))
-    assert BlockTableMachine.operations >= 10_000, BlockTableMachine.operations
+    run_counted_state_machine(BlockTableMachine, max_examples=150, steps=100, min_operations=10_000)
 
 
 def test_choose_block_size_takes_the_largest_within_the_waste_allowed():

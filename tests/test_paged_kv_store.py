@@ -12,10 +12,10 @@
 
 import numpy as np
 import pytest
-from helpers import tiny_model
+from helpers import run_counted_state_machine, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpt2_core import GPT2Config, kv_cache
 from gpt2_core.block_manager import blocks_needed
@@ -361,10 +361,7 @@ class PagedStoreMachine(RuleBasedStateMachine):
 
 
 def test_random_store_operations_keep_every_sequences_kv_intact():
-    PagedStoreMachine.operations = 0
-    run_state_machine_as_test(PagedStoreMachine, settings=settings(
-        max_examples=60, stateful_step_count=60, derandomize=True, deadline=None, database=None))
-    assert PagedStoreMachine.operations >= 2_000, PagedStoreMachine.operations
+    run_counted_state_machine(PagedStoreMachine, max_examples=60, steps=60, min_operations=2_000)
 
 
 # ----------------------------------------------------------------------------------------------------------------
