@@ -33,9 +33,9 @@ def softmax(x, axis=-1):
 
 
 def layer_norm(x, weight, bias, eps):  # x [T, E]; weight, bias [E]
-    mean = x.mean(axis=-1, keepdims=True)  # [T, 1]
-    var = x.var(axis=-1, keepdims=True)  # [T, 1] (biased variance, as torch's LayerNorm)
-    return weight * (x - mean) / np.sqrt(var + np.float32(eps)) + bias  # [T, E]
+    centred = x - x.mean(axis=-1, keepdims=True)  # [T, E]
+    var = (centred * centred).mean(axis=-1, keepdims=True)  # [T, 1] (biased variance, as torch's LayerNorm)
+    return weight * centred / np.sqrt(var + np.float32(eps)) + bias  # [T, E]
 
 
 def linear(x, weight, bias):  # x [T, in]; weight [in, out] (HF Conv1D layout); bias [out]
