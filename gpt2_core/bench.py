@@ -6,6 +6,7 @@ fair on a noisy machine. Output: ``{"machine": {...}, "results": [{"method", "ba
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -54,18 +55,37 @@ def weight_bytes_per_token(model: GPT2Model) -> int:
 # Chapter 2: naive vs KV cache
 
 
-def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int) -> list[float]:
-    """Seconds of each ``decode_step`` while generating ``new_tokens`` after a random prompt (greedy)."""
+def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, between=None) -> list[float]:
+    """Seconds of each ``decode_step`` while generating ``new_tokens`` after a random prompt (greedy).
+
+    ``between=(every, fn)`` calls ``fn()`` (untimed) after every ``every`` steps: another measurement taken at the
+    same moment as the steps around it."""
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, model.config.vocab_size, size=prompt_len)
     logits, cache = kv_cache.prefill(model, prompt, capacity=prompt_len + new_tokens, last_only=True)
     token, times = int(np.argmax(logits[0])), []
-    for _ in range(new_tokens):
+    for step in range(new_tokens):
         t0 = time.perf_counter()
         logits = kv_cache.decode_step(model, token, cache)
         times.append(time.perf_counter() - t0)
         token = int(np.argmax(logits))
+        if between is not None and (step + 1) % between[0] == 0:
+            between[1]()
     return times
+
+
+def decode_beside_bandwidth(model: GPT2Model, pairs: int = 15, steps: int = 24,
+                            prompt_len: int = 16) -> list[tuple[float, float]]:
+    """Batch-1 decode and the bandwidth bound, measured side by side: ``pairs`` times, ``steps`` decode steps (one
+    generation running on, positions ``prompt_len ..``) then the GEMV bandwidth. Two shared cores drift in speed
+    by tens of percent within a minute; a pair shares one moment, so its ratio is fair. -> [(decode tok/s, bound
+    tok/s)] per pair (median step of the pair; bound = GEMV bytes/s / weight bytes per token)."""
+    bandwidths: list[float] = []
+    times = decode_step_times(model, prompt_len, pairs * steps,
+                              between=(steps, lambda: bandwidths.append(gemv_bandwidth(repeats=3))))
+    weight_bytes = weight_bytes_per_token(model)
+    return [(1 / float(np.median(times[i * steps:(i + 1) * steps])), bw / weight_bytes)
+            for i, bw in enumerate(bandwidths)]
 
 
 def hf_reference_model(model: GPT2Model, threads: int):
@@ -91,15 +111,16 @@ def hf_decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, thr
     torch, hf = reference
     c = model.config
     ids = torch.randint(0, c.vocab_size, (1, prompt_len))
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # renamed in 5.x
     times = []
     with torch.inference_mode():
         out = hf(ids, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        past, token = getattr(out, name), out.logits[:, -1:].argmax(-1)
         for _ in range(new_tokens):
             t0 = time.perf_counter()
-            out = hf(token, past_key_values=past, use_cache=True)
+            out = hf(token, use_cache=True, **{name: past})
             times.append(time.perf_counter() - t0)
-            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            past, token = getattr(out, name), out.logits[:, -1:].argmax(-1)
     return times
 
 
@@ -168,9 +189,12 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     if hf_tps is not None:
         results.append({"method": "hf_transformers", "batch": 1, "position": "all", "prompt_len": prompt_len,
                         "new_tokens": new_tokens, "tokens_per_s": hf_tps, "threads": threads})
-    bandwidth = gemv_bandwidth()
-    results.append({"method": "bandwidth_bound", "batch": 1, "tokens_per_s": bandwidth / weight_bytes_per_token(model),
-                    "gemv_bytes_per_s": bandwidth, "weight_bytes_per_token": weight_bytes_per_token(model)})
+    pairs = decode_beside_bandwidth(model, pairs=5 if quick else 15)  # decode and bound, side by side
+    bound_tps = float(np.median([bound for _, bound in pairs]))
+    results.append({"method": "bandwidth_bound", "batch": 1, "tokens_per_s": bound_tps,
+                    "gemv_bytes_per_s": bound_tps * weight_bytes_per_token(model),
+                    "weight_bytes_per_token": weight_bytes_per_token(model),
+                    "pairs": [{"kv_cache_tokens_per_s": d, "bound_tokens_per_s": b} for d, b in pairs]})
     prefill_len = 128 if quick else 512
     prompt = rng.integers(0, model.config.vocab_size, size=prefill_len)
     t_prefill = median_time(lambda: kv_cache.prefill(model, prompt, last_only=True), repeats=repeats)
@@ -180,7 +204,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     ratios = {
         "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],
         "kv_cache_over_hf": None if hf_tps is None else decode_tps / hf_tps,
-        "kv_cache_fraction_of_bandwidth_bound": decode_tps / (bandwidth / weight_bytes_per_token(model)),
+        "kv_cache_fraction_of_bandwidth_bound": float(np.median([d / b for d, b in pairs])),  # median pair
     }
     return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
             "results": results, "ratios": ratios, "profile_ms_per_step": profile}
@@ -235,7 +259,7 @@ def _print_summary(out: dict) -> None:
       f"load {out['machine']['load_average_1min']})\n")
     for r in out["results"]:
         extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
-                          not isinstance(v, float))
+                          not isinstance(v, (float, list)))
         w(f"  {r['method']:16s} batch {r['batch']:>3}  {r['tokens_per_s']:9.2f} tok/s  {extra}\n")
     for k, v in out.get("ratios", {}).items():
         w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")

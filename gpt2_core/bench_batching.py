@@ -23,7 +23,7 @@ from .bench import gemm_flops, gemv_bandwidth, hf_reference_model, weight_bytes_
 from .engine import LLMEngine, RequestOutput, replay
 from .kv_cache import generate_stream
 from .kv_store import ContiguousKVStore
-from .measure import QUICK, blas_info
+from .measure import QUICK, blas_info, median_time
 from .model_runner import Chunk, ragged_forward
 from .sequence import FinishReason, SequenceMetrics
 from .static_batching import arrival_batches, replay_static
@@ -158,8 +158,8 @@ def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> d
             "lm_head_share": head / seconds}
 
 
-def decode_step_seconds(model: GPT2Model, batch: int, context: int, repeats: int = 5) -> float:
-    """Median time of one ragged step of ``batch`` decode chunks, each with ``context`` tokens cached (the cache
+def decode_step_runner(model: GPT2Model, batch: int, context: int):
+    """A function running one ragged step of ``batch`` decode chunks, each with ``context`` tokens cached (the cache
     holds arbitrary numbers: timing does not depend on them)."""
     store = ContiguousKVStore(model.config, num_slots=batch, max_len=context + 1)
     for i in range(batch):
@@ -167,13 +167,23 @@ def decode_step_seconds(model: GPT2Model, batch: int, context: int, repeats: int
     store.k[:] = 0.01
     store.v[:] = 0.01
     chunks = [Chunk(i, np.array([i % model.config.vocab_size]), context) for i in range(batch)]
-    ragged_forward(model, store, chunks)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        ragged_forward(model, store, chunks)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return lambda: ragged_forward(model, store, chunks)
+
+
+def decode_step_seconds(model: GPT2Model, batch: int, context: int, repeats: int = 5) -> float:
+    """Median time of one ragged decode step (``decode_step_runner``), after a warm-up step."""
+    return median_time(decode_step_runner(model, batch, context), repeats=repeats)
+
+
+def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: int = 5,
+                             steps: int = 3) -> list[tuple[float, dict]]:
+    """The decode step and its GEMM bound, measured side by side ``pairs`` times: the median of ``steps`` steps,
+    then the bound (``gemm_bound_tokens_per_s``). The machine's speed drifts; a pair shares one moment, so its
+    ratio is fair. -> [(step seconds, bound)] per pair."""
+    step = decode_step_runner(model, batch, context)
+    step()  # warm-up
+    return [(median_time(step, repeats=steps, warmup=0), gemm_bound_tokens_per_s(model, batch, repeats=3))
+            for _ in range(pairs)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -240,11 +250,13 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
     context = context or (64 if quick else 128)
     decode_sweep = []
     for b in sweep:
-        seconds = decode_step_seconds(model, b, context, repeats=3 if quick else 5)
-        bound = gemm_bound_tokens_per_s(model, b, repeats=3 if quick else 5)
+        pairs = decode_beside_gemm_bound(model, b, context, pairs=3 if quick else 7)
+        seconds = float(np.median([s for s, _ in pairs]))
+        bound = {k: float(np.median([p[k] for _, p in pairs])) for k in pairs[0][1]}  # median of each field
         decode_sweep.append({"batch": b, "context": context, "tokens_per_s": b / seconds,
                              "seconds_per_step": seconds, "gemm_bound_tokens_per_s": bound["tokens_per_s"],
-                             "fraction_of_gemm_bound": bound["seconds_per_step"] / seconds})
+                             "fraction_of_gemm_bound": float(np.median([p["seconds_per_step"] / s for s, p in pairs])),
+                             "fraction_of_gemm_bound_per_pair": [p["seconds_per_step"] / s for s, p in pairs]})
         results.append({"method": "gemm_bound", "batch": b, **bound})
     bandwidth = gemv_bandwidth()
     bw_bound = bandwidth / weight_bytes_per_token(model)

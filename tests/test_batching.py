@@ -297,3 +297,14 @@ def test_benchmark_strategies_agree_and_utilisation_is_a_fraction():
               bb.utilisation_from_steps(bb.engine_intervals(engine), 4)):
         assert 0 < u <= 1
     assert bb.utilisation_from_steps([(0.0, 1.0, 2), (1.0, 3.0, 4)], 4) == (2 + 8) / 12
+
+
+def test_decode_step_and_its_gemm_bound_are_measured_side_by_side():
+    from gpt2_core import bench_batching as bb
+
+    pairs = bb.decode_beside_gemm_bound(MODEL, batch=3, context=8, pairs=2, steps=1)
+    assert len(pairs) == 2
+    for seconds, bound in pairs:
+        assert seconds > 0 and bound["seconds_per_step"] > 0
+        assert bound["tokens_per_s"] == pytest.approx(3 / bound["seconds_per_step"])
+        assert 0 < bound["lm_head_share"] < 1

@@ -1,8 +1,11 @@
 """``python -m gpt2_core``: generate streams text from the embedded model; errors are one clean line."""
 
 import json
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 from helpers import ROOT, tiny_model, write_checkpoint
 
@@ -52,4 +55,10 @@ def test_bench_writes_json_with_the_documented_shape(tmp_path):
     assert {"naive", "kv_cache", "bandwidth_bound"} <= methods
     for rec in data["results"]:
         assert rec["tokens_per_s"] > 0 and rec["batch"] == 1
+    # the fraction of the bound is the median of decode and bound measured side by side, pair by pair
+    pairs = next(r for r in data["results"] if r["method"] == "bandwidth_bound")["pairs"]
+    assert len(pairs) >= 3 and all(p["kv_cache_tokens_per_s"] > 0 and p["bound_tokens_per_s"] > 0 for p in pairs)
+    fraction = data["ratios"]["kv_cache_fraction_of_bandwidth_bound"]
+    assert fraction == pytest.approx(statistics.median(p["kv_cache_tokens_per_s"] / p["bound_tokens_per_s"]
+                                                       for p in pairs))
     assert data["machine"]["numpy"] and "blas" in data["machine"]
