@@ -210,6 +210,60 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
             "results": results, "ratios": ratios, "profile_ms_per_step": profile}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Chapter 2, optimisation 3 (rejected): the output projections' memory order, on whole steps
+
+
+def column_major_projections(model: GPT2Model) -> GPT2Model:
+    """A model sharing every array with ``model`` except the blocks' two output projections, copied column-major
+    (same shapes, same values, Fortran order)."""
+    blocks = []
+    for b in model.params["h"]:
+        block = dict(b)
+        for module in ("attn", "mlp"):
+            block[module] = {**b[module], "c_proj": {**b[module]["c_proj"],
+                                                     "weight": np.asfortranarray(b[module]["c_proj"]["weight"])}}
+        blocks.append(block)
+    return GPT2Model(model.config, {**model.params, "h": blocks}, model.tokenizer, model.source)
+
+
+def bench_layout(quick: bool = QUICK, context: int = 128) -> dict:
+    """Whole decode steps with the checkpoint's row-major projections vs column-major ones, side by side (each
+    round times both): chapter 2's ``decode_step`` at batch 1, chapter 3's ragged step for larger batches."""
+    from .bench_batching import decode_step_runner
+
+    models = {"row_major": random_model("gpt2", seed=0)}
+    models["column_major_projections"] = column_major_projections(models["row_major"])
+    rounds = 5 if quick else 15
+
+    def batch_one(model):
+        _, cache = kv_cache.prefill(model, np.arange(context), capacity=context + 1, last_only=True)
+
+        def step():
+            kv_cache.decode_step(model, 0, cache)
+            cache.length = context  # the same position every time
+        return step
+
+    results, ratios = [], {}
+    for batch in ([1, 4, 32] if quick else [1, 2, 4, 8, 16, 32]):
+        steps = {name: batch_one(m) if batch == 1 else decode_step_runner(m, batch, context)
+                 for name, m in models.items()}
+        times = {name: [] for name in steps}
+        for step in steps.values():
+            step()  # warm-up
+        for _ in range(rounds):
+            for name, step in steps.items():
+                times[name].append(median_time(step, repeats=1, warmup=0))
+        for name, t in times.items():
+            seconds = float(np.median(t))
+            results.append({"method": name, "batch": batch, "context": context, "seconds_per_step": seconds,
+                            "tokens_per_s": batch / seconds})
+        ratios[f"column_major_speed_over_row_major_batch_{batch}"] = (
+            float(np.median(times["row_major"])) / float(np.median(times["column_major_projections"])))
+    return {"benchmark": "layout", "model": "random GPT-2 124M shape, float32", "quick": quick,
+            "results": results, "ratios": ratios}
+
+
 def _current_blas_threads() -> int:
     from .measure import blas_info
 
@@ -229,7 +283,7 @@ def bench_paged(**kwargs) -> dict:  # chapter 4 (imported on use: it needs the c
     return run(**kwargs)
 
 
-BENCHMARKS = {"kv-cache": bench_kv_cache, "batching": bench_batching, "paged": bench_paged}
+BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,

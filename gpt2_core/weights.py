@@ -43,9 +43,6 @@ class GPT2Model:
     source: str = ""
     _head: tuple = field(default=(None, None), repr=False, compare=False)
 
-    def __post_init__(self):
-        store_projections_column_major(self.params)
-
     def lm_head_weight(self) -> np.ndarray:
         """The tied LM head as its own contiguous [E, V] array, made on first use (chapter 2's speed-up).
 
@@ -59,9 +56,8 @@ class GPT2Model:
         return self._head[1]
 
     def refresh(self) -> None:
-        """Forget derived copies of the weights (call after editing ``params`` in place or replacing arrays)."""
+        """Forget derived copies of the weights (call after editing ``params["wte"]`` in place)."""
         self._head = (None, None)
-        store_projections_column_major(self.params)
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """``token_ids`` as an int64 array [T], or an ``InvalidInputError`` naming what is wrong."""
@@ -89,28 +85,6 @@ class GPT2Model:
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state_dict().values())
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Memory order of the weights (chapter 2's speed-up)
-
-COLUMN_MAJOR_WEIGHTS = (("attn", "c_proj"), ("mlp", "c_proj"))  # the projections whose input is >= their output
-
-
-def store_projections_column_major(params: dict) -> dict:
-    """Store each block's two output projections column-major (Fortran order), in place; shapes and values unchanged.
-
-    ``x @ W`` reads every weight once per token when decoding one sequence, so how BLAS walks memory decides the
-    speed. For a row-major [in, out] matrix with ``in >= out`` (``mlp.c_proj`` is [3072, 768]) each thread reads
-    short row pieces; stored column-major, each thread streams one contiguous block. Measured in chapter 2: ~1.5x
-    on ``mlp.c_proj``. The other matrices (``out > in``) are already fastest row-major. No extra memory: a copy
-    replaces the row-major array. Every chapter's code is unchanged (NumPy hands BLAS the layout with the array).
-    """
-    for block in params["h"]:
-        for module, name in COLUMN_MAJOR_WEIGHTS:
-            layer = block[module][name]
-            layer["weight"] = np.asfortranarray(layer["weight"])
-    return params
 
 
 # ----------------------------------------------------------------------------------------------------------------

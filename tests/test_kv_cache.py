@@ -103,3 +103,20 @@ def test_generate_validates_like_chapter_1():
     assert full == gpt2_core.generate(model, list(range(10)), 7, stop_at_eos=False)
     assert kv.generate(model, [1], 0) == []
     assert not isinstance(CheckpointError("x"), InvalidInputError)
+
+
+def test_the_rejected_column_major_layout_computes_the_same_logits():
+    """``bench layout`` compares whole steps with column-major output projections: a copy with the same values that
+    leaves the model itself, and every other array, untouched."""
+    from gpt2_core.bench import column_major_projections
+
+    model = tiny_model()
+    col = column_major_projections(model)
+    for b, c in zip(model.params["h"], col.params["h"]):
+        for module in ("attn", "mlp"):
+            assert c[module]["c_proj"]["weight"].flags.f_contiguous, module
+            assert b[module]["c_proj"]["weight"].flags.c_contiguous, module  # the original keeps its layout
+            np.testing.assert_array_equal(c[module]["c_proj"]["weight"], b[module]["c_proj"]["weight"])
+        assert c["attn"]["c_attn"]["weight"] is b["attn"]["c_attn"]["weight"]
+    ids = [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(gpt2_core.forward(col, ids), gpt2_core.forward(model, ids), rtol=1e-5, atol=1e-5)
