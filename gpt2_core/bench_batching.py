@@ -170,11 +170,6 @@ def decode_step_runner(model: GPT2Model, batch: int, context: int):
     return lambda: ragged_forward(model, store, chunks)
 
 
-def decode_step_seconds(model: GPT2Model, batch: int, context: int, repeats: int = 5) -> float:
-    """Median time of one ragged decode step (``decode_step_runner``), after a warm-up step."""
-    return median_time(decode_step_runner(model, batch, context), repeats=repeats)
-
-
 def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: int = 5,
                              steps: int = 3) -> list[tuple[float, dict]]:
     """The decode step and its GEMM bound, measured side by side ``pairs`` times: the median of ``steps`` steps,
@@ -253,10 +248,11 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         pairs = decode_beside_gemm_bound(model, b, context, pairs=3 if quick else 7)
         seconds = float(np.median([s for s, _ in pairs]))
         bound = {k: float(np.median([p[k] for _, p in pairs])) for k in pairs[0][1]}  # median of each field
+        fractions = [p["seconds_per_step"] / s for s, p in pairs]  # each pair's own ratio
         decode_sweep.append({"batch": b, "context": context, "tokens_per_s": b / seconds,
                              "seconds_per_step": seconds, "gemm_bound_tokens_per_s": bound["tokens_per_s"],
-                             "fraction_of_gemm_bound": float(np.median([p["seconds_per_step"] / s for s, p in pairs])),
-                             "fraction_of_gemm_bound_per_pair": [p["seconds_per_step"] / s for s, p in pairs]})
+                             "fraction_of_gemm_bound": float(np.median(fractions)),
+                             "fraction_of_gemm_bound_per_pair": fractions})
         results.append({"method": "gemm_bound", "batch": b, **bound})
     bandwidth = gemv_bandwidth()
     bw_bound = bandwidth / weight_bytes_per_token(model)

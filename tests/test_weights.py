@@ -181,7 +181,7 @@ def test_bad_config_json(tmp_path, model):
 
 def test_weights_keep_the_checkpoints_row_major_layout(tmp_path, model):
     """Every matrix is kept [in, out] row-major, as HF stores it: chapter 2 measured column-major output projections
-    (faster for one sequence, slower for every batch of 2-16) and kept this layout for the batched chapters."""
+    (faster for one sequence, slower for every batch of 2-32) and kept this layout for the batched chapters."""
     write_checkpoint(tmp_path, model)
     loaded = gpt2_core.load_model(tmp_path)
     for key, a in loaded.state_dict().items():
