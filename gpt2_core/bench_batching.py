@@ -24,6 +24,7 @@ from .engine import LLMEngine, RequestOutput, replay
 from .kv_cache import generate_stream
 from .kv_store import ContiguousKVStore
 from .measure import QUICK, blas_info, median_time
+from . import model_runner
 from .model_runner import Chunk, ragged_forward
 from .sequence import FinishReason, SequenceMetrics
 from .static_batching import arrival_batches, replay_static
@@ -181,6 +182,30 @@ def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: 
             for _ in range(pairs)]
 
 
+def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6), context: int = 128,
+                             rounds: int = 7) -> list[dict]:
+    """The ragged decode step with ``model_runner``'s small-batch path (one GEMV per row, the head in cached
+    column blocks) against the plain GEMM path, interleaved round by round. -> one record per batch size, with
+    the median step of each and the median of the per-round ratios."""
+    default = model_runner.GEMV_MAX_ROWS
+    records = []
+    try:
+        for b in batches:
+            step = decode_step_runner(model, b, context)
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(rounds):
+                for gemv in ((True, False) if r % 2 else (False, True)):
+                    model_runner.GEMV_MAX_ROWS = default if gemv else 1
+                    times[gemv].append(median_time(step, repeats=3, warmup=1))
+            ratios = [g / v for g, v in zip(times[False], times[True])]
+            records.append({"batch": b, "context": context, "gemm_seconds_per_step": float(np.median(times[False])),
+                            "gemv_seconds_per_step": float(np.median(times[True])),
+                            "speedup": float(np.median(ratios))})
+    finally:
+        model_runner.GEMV_MAX_ROWS = default
+    return records
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The benchmark
 
@@ -254,6 +279,8 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
                              "fraction_of_gemm_bound": float(np.median(fractions)),
                              "fraction_of_gemm_bound_per_pair": fractions})
         results.append({"method": "gemm_bound", "batch": b, **bound})
+    small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6),
+                                           context=context, rounds=3 if quick else 7)
     bandwidth = gemv_bandwidth()
     bw_bound = bandwidth / weight_bytes_per_token(model)
     at = {d["batch"]: d for d in decode_sweep}
@@ -270,5 +297,5 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
                          "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                          "max_new_tokens": sum(r.max_new_tokens for r in requests),
                          "last_arrival_s": max(r.arrival_s for r in requests)},
-            "results": results, "ratios": ratios, "decode_sweep": decode_sweep,
+            "results": results, "ratios": ratios, "decode_sweep": decode_sweep, "small_batch_gemv": small_batch,
             "bandwidth_bound_tokens_per_s_batch_1": bw_bound, "gemv_bytes_per_s": bandwidth, "threads": threads}

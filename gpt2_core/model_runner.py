@@ -14,7 +14,7 @@ import numpy as np
 
 from .kv_cache import lm_head_fast
 from .kv_store import KVStore
-from .model import attention, layer_norm, linear, mlp
+from .model import GELU_C, attention, layer_norm
 from .weights import GPT2Model
 
 
@@ -36,6 +36,63 @@ def decode_attention(q, k, v):  # q [H, 1, D] already scaled by 1/sqrt(D); k, v 
     return (e @ v) / e.sum(axis=-1, keepdims=True)  # [H, 1, D]
 
 
+# Up to how many rows one GEMV per row beats one GEMM, and the head's column block; measured on this project's
+# 2-core machine (``python -m gpt2_core bench batching`` records the effect in its ``small_batch`` records).
+GEMV_MAX_ROWS = 6
+HEAD_BLOCK = 2048  # columns: 768 x 2048 float32 = 6 MB
+
+
+def batched_linear(x, weight, bias):  # x [N, in]; weight [in, out]; bias [out] -> [N, out]
+    """Chapter 1's ``linear`` for many rows, with the bias added in place (no second [N, out] array).
+
+    BLAS's matrix-matrix product (GEMM) first copies the whole weight into its own tile layout. For one row
+    NumPy calls a matrix-vector product (GEMV) instead, which just streams the weight. For 2 to
+    ``GEMV_MAX_ROWS`` rows, one GEMV per row still costs less than that copy: the rows after the first find the
+    weight (2-9 MB per matrix here) in the L3 cache. ``x[:, None, :] @ weight`` is a stack of N [1, in] x
+    [in, out] products, which NumPy hands to BLAS one GEMV at a time.
+    """
+    if 1 < len(x) <= GEMV_MAX_ROWS:
+        y = np.matmul(x[:, None, :], weight)[:, 0, :]  # [N, out]: N GEMVs
+    else:
+        y = x @ weight  # [N, out]: one GEMM (or one GEMV for N == 1)
+    y += bias
+    return y
+
+
+def batched_lm_head(model: GPT2Model, x) -> np.ndarray:  # x [B, E] -> logits [B, V]
+    """Chapter 2's ``lm_head_fast`` for a batch of last positions.
+
+    The head [E, V] is 154 MB for GPT-2: far past any cache, so for a few rows the matrix-matrix product packs
+    it all from memory. For 2 to ``GEMV_MAX_ROWS`` rows, one GEMV per row over column blocks of
+    ``HEAD_BLOCK`` (6 MB, so it stays in the L3 cache) reads each block from memory once, for the first row,
+    and from cache for the others.
+    """
+    if not 1 < len(x) <= GEMV_MAX_ROWS:
+        return lm_head_fast(model, x)  # [B, V]
+    x = layer_norm(x, **model.params["ln_f"], eps=model.config.layer_norm_epsilon)  # [B, E]
+    head = model.lm_head_weight()  # [E, V]
+    logits = np.empty((len(x), head.shape[1]), dtype=x.dtype)  # [B, V]
+    for j in range(0, head.shape[1], HEAD_BLOCK):
+        np.matmul(x[:, None, :], head[:, j:j + HEAD_BLOCK], out=logits[:, None, j:j + HEAD_BLOCK])  # B GEMVs
+    return logits
+
+
+def gelu_(h):  # h [N, F], overwritten with gelu(h)
+    """Chapter 1's ``gelu``, computed in place with one scratch array (the same operations in the same order,
+    so the same float32 numbers). Chapter 1's expression makes eight temporaries the size of ``h``, 15 MB each
+    for a 1,250-token prefill step; this form makes one (timed against chapter 1's in notebook 03)."""
+    t = h * h  # [N, F] the one scratch array
+    t *= h  # x^3
+    t *= np.float32(0.044715)
+    t += h  # x + 0.044715 x^3
+    t *= GELU_C
+    np.tanh(t, out=t)
+    t += 1
+    h *= np.float32(0.5)  # 0.5 x (exact: a power of two)
+    h *= t
+    return h
+
+
 def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.ndarray:
     """Run every chunk through the model in one pass; return the next-token logits of each chunk [B, V].
 
@@ -51,7 +108,7 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
     eps, H, D = cfg.layer_norm_epsilon, cfg.n_head, cfg.head_dim
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
-        qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [N, 3E]: one matmul for all
+        qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [N, 3E]: all rows at once
         q, k, v = qkv.reshape(len(x), 3, H, D).transpose(1, 2, 0, 3)  # 3 x [H, N, D] views, no copy
         q_scaled = q * scale  # [H, N, D] for the decode path, scaled once for all rows
         out = np.empty((len(x), H, D), dtype=x.dtype)  # [N, H, D]
@@ -61,6 +118,7 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
                 out[a] = decode_attention(q_scaled[:, a:b], k_all, v_all)[:, 0]  # [H, D]
             else:  # prefill: chapter 1's causal attention
                 out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
-        x = x + linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E]
-        x = x + mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]
-    return lm_head_fast(model, x[ends - 1])  # [B, V]: only each chunk's last position needs logits
+        x += batched_linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E], residual in place
+        h = gelu_(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [N, 4E]
+        x += batched_linear(h, **p["mlp"]["c_proj"])  # [N, E]: chapter 1's mlp, in place
+    return batched_lm_head(model, x[ends - 1])  # [B, V]: only each chunk's last position needs logits

@@ -12,7 +12,9 @@ from gpt2_core import kv_cache
 from gpt2_core.engine import LLMEngine, RequestOutput, replay
 from gpt2_core.errors import InvalidInputError
 from gpt2_core.kv_store import ContiguousKVStore
-from gpt2_core.model_runner import Chunk, ragged_forward
+from gpt2_core import model_runner
+from gpt2_core.model import gelu, linear
+from gpt2_core.model_runner import Chunk, batched_linear, gelu_, ragged_forward
 from gpt2_core.sampling import SamplingParams
 from gpt2_core.sequence import FinishReason, Request, SequenceStatus
 from gpt2_core.static_batching import left_pad, left_padding_attention_mask, position_ids, static_generate
@@ -62,6 +64,47 @@ def test_ragged_step_logits_match_chapter_2_within_1e_4(name, model):
     for i, (t, cache) in enumerate(zip(tokens, caches)):
         np.testing.assert_allclose(step[i], kv_cache.decode_step(model, t, cache), atol=1e-4)
     np.testing.assert_allclose(step[3], kv_cache.prefill(model, extra, last_only=True)[0][0], atol=1e-4)
+
+
+def test_gelu_in_place_is_chapter_1_gelu_bit_for_bit():
+    x = np.random.default_rng(0).standard_normal((37, 96), dtype=np.float32) * 4
+    h = x.copy()
+    assert gelu_(h) is h
+    assert np.array_equal(h, gelu(x))
+
+
+def test_batched_linear_equals_chapter_1_linear_on_both_sides_of_the_gemv_threshold():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 80), dtype=np.float32)
+    b = rng.standard_normal(80, dtype=np.float32)
+    for n in range(1, model_runner.GEMV_MAX_ROWS + 3):
+        x = rng.standard_normal((n, 48), dtype=np.float32)
+        y = batched_linear(x, w, b)
+        assert y.shape == (n, 80) and y.dtype == np.float32
+        np.testing.assert_allclose(y, linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
+def test_decode_steps_of_every_batch_size_match_chapter_2(name, model, monkeypatch):
+    """Batches of 1 .. GEMV_MAX_ROWS + 3 decoding sequences: the GEMV path, the GEMM path and the head's column
+    blocks (made small here, so that the vocabulary ends in a partial block) all give chapter 2's logits."""
+    monkeypatch.setattr(model_runner, "HEAD_BLOCK", 7)
+    rng = np.random.default_rng(1)
+    V = model.config.vocab_size
+    for batch in range(1, model_runner.GEMV_MAX_ROWS + 4):
+        store = ContiguousKVStore(model.config, num_slots=batch, max_len=12)
+        prompts = [rng.integers(0, V, size=int(rng.integers(1, 8))) for _ in range(batch)]
+        caches = []
+        for i, p in enumerate(prompts):
+            store.allocate(i, len(p) + 1)
+            ragged_forward(model, store, [Chunk(i, p, 0)])
+            caches.append(kv_cache.prefill(model, p, capacity=12, last_only=True)[1])
+        tokens = rng.integers(0, V, size=batch)
+        step = ragged_forward(model, store, [Chunk(i, np.array([t]), len(p))
+                                             for i, (p, t) in enumerate(zip(prompts, tokens))])
+        assert step.shape == (batch, V)
+        for row, t, cache in zip(step, tokens, caches):
+            np.testing.assert_allclose(row, kv_cache.decode_step(model, int(t), cache), atol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -308,3 +351,23 @@ def test_decode_step_and_its_gemm_bound_are_measured_side_by_side():
         assert seconds > 0 and bound["seconds_per_step"] > 0
         assert bound["tokens_per_s"] == pytest.approx(3 / bound["seconds_per_step"])
         assert 0 < bound["lm_head_share"] < 1
+
+
+def test_small_batch_gemv_path_is_measured_against_gemm_and_restored(monkeypatch):
+    from gpt2_core import bench_batching as bb
+
+    seen = []
+    runner = bb.decode_step_runner
+
+    def spy(model, batch, context):  # record which path each timed step took
+        step = runner(model, batch, context)
+        return lambda: (seen.append(model_runner.GEMV_MAX_ROWS), step())[1]
+
+    monkeypatch.setattr(bb, "decode_step_runner", spy)
+    default = model_runner.GEMV_MAX_ROWS
+    records = bb.small_batch_gemv_speedup(MODEL, batches=(2, 3), context=8, rounds=2)
+    assert model_runner.GEMV_MAX_ROWS == default  # the module's setting is put back
+    assert set(seen) == {1, default}  # both paths ran
+    assert [r["batch"] for r in records] == [2, 3]
+    for r in records:
+        assert r["gemm_seconds_per_step"] > 0 and r["gemv_seconds_per_step"] > 0 and r["speedup"] > 0
