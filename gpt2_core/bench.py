@@ -38,14 +38,6 @@ def gemv_bandwidth(rows: int = 768, cols: int = 50257, repeats: int = 7, transpo
     return W.nbytes / seconds
 
 
-def gemm_flops(m: int = 32, k: int = 768, n: int = 3072, repeats: int = 7) -> float:
-    """FLOP/s of a float32 matmul of the given shape (2*m*k*n FLOPs per call)."""
-    rng = np.random.default_rng(0)
-    A = rng.standard_normal((m, k), dtype=np.float32)
-    B = rng.standard_normal((k, n), dtype=np.float32)
-    return 2 * m * k * n / median_time(lambda: A @ B, repeats=repeats)
-
-
 def weight_bytes_per_token(model: GPT2Model) -> int:
     """Bytes of weights one decode step must read: all of them, except the position table (one row is read)."""
     return model.nbytes() - model.params["wpe"].nbytes

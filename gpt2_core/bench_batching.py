@@ -5,12 +5,14 @@ shaped random weights (float32; the time of a matmul does not depend on the numb
 
 * ``sequential``: chapter 2, one request at a time, first come first served;
 * ``static``: static batches of up to ``max_batch`` requests, left-padded, each batch run to its longest row;
-* ``continuous``: the ``LLMEngine`` (``max_num_seqs = max_batch``), requests join and leave every step;
+* ``continuous``: the ``LLMEngine`` (``max_num_seqs = max_batch``), requests join and leave every step; run
+  before and after the two strategies above and reported as the mean of both runs (the machine drifts);
 * ``hf_transformers``: HF's batched ``generate`` with left padding, batched like ``static`` (if installed).
 
 Plus the machine's limits: ``gemm_bound`` = tokens/s if a decode step at batch B took only the time of its
-matmuls at the FLOP/s measured for those very shapes (``bench.gemm_flops``), beside the measured batched decode
-step (``decode_sweep``).
+matmuls, each timed alone on its shape with the kernel the step uses (``matmul_seconds``), beside the measured
+batched decode step (``decode_sweep``); and ``small_batch_gemv``, the decode step with one GEMV per row against
+one GEMM per matrix at 2-8 sequences (``small_batch_gemv_speedup``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 
 import numpy as np
 
-from .bench import gemm_flops, gemv_bandwidth, hf_reference_model, weight_bytes_per_token
+from .bench import gemv_bandwidth, hf_reference_model, weight_bytes_per_token
 from .engine import LLMEngine, RequestOutput, replay
 from .kv_cache import generate_stream
 from .kv_store import ContiguousKVStore
@@ -145,21 +147,42 @@ def sequential_intervals(outputs) -> list:
 # Machine limits and the batched decode step
 
 
+def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False) -> float:
+    """Seconds of one float32 [m, k] x [k, n] product, run the way the ragged step runs it: one GEMM, or for
+    2..``GEMV_MAX_ROWS`` rows one GEMV per row (``batched_linear``; for the LM head, ``head=True``, over column
+    blocks of ``HEAD_BLOCK`` as ``batched_lm_head`` does)."""
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((m, k), dtype=np.float32)
+    B = rng.standard_normal((k, n), dtype=np.float32)
+    if not 1 < m <= model_runner.GEMV_MAX_ROWS:
+        return median_time(lambda: A @ B, repeats=repeats)
+    if not head:
+        return median_time(lambda: np.matmul(A[:, None, :], B), repeats=repeats)
+    out, block = np.empty((m, 1, n), dtype=np.float32), model_runner.HEAD_BLOCK
+
+    def blocked():
+        for j in range(0, n, block):
+            np.matmul(A[:, None, :], B[:, j:j + block], out=out[:, :, j:j + block])
+    return median_time(blocked, repeats=repeats)
+
+
 def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> dict:
-    """Tokens/s of a decode step at ``batch`` that spent only the time of its matmuls, each at the FLOP/s
-    measured for its own shape: per layer [B,E]x[E,3E], [B,E]x[E,E], [B,E]x[E,4E], [B,4E]x[4E,E]; the head
-    [B,E]x[E,V]."""
+    """Tokens/s of a decode step at ``batch`` that spent only the time of its matmuls, each timed alone on its
+    own shape (``matmul_seconds``, with the kernel the ragged step uses for that many rows): per layer
+    [B,E]x[E,3E], [B,E]x[E,E], [B,E]x[E,4E], [B,4E]x[4E,E]; the head [B,E]x[E,V]. Alone and repeated, the
+    smaller weights stay in cache: in the real step they come from memory, which the bound does not charge."""
     E, V, L = model.config.n_embd, model.config.vocab_size, model.config.n_layer
     shapes = [(E, 3 * E), (E, E), (E, 4 * E), (4 * E, E)]
-    per_layer = {f"{k}x{n}": 2 * batch * k * n / gemm_flops(batch, k, n, repeats=repeats) for k, n in shapes}
-    head = 2 * batch * E * V / gemm_flops(batch, E, V, repeats=max(3, repeats // 2))
+    per_layer = {f"{k}x{n}": matmul_seconds(batch, k, n, repeats=repeats) for k, n in shapes}
+    head = matmul_seconds(batch, E, V, repeats=max(3, repeats // 2), head=True)
     seconds = L * sum(per_layer.values()) + head
     flops = 2 * batch * (L * sum(k * n for k, n in shapes) + E * V)
     return {"seconds_per_step": seconds, "tokens_per_s": batch / seconds, "gemm_flops_per_s": flops / seconds,
             "lm_head_share": head / seconds}
 
 
-def decode_step_runner(model: GPT2Model, batch: int, context: int):
+def decode_step_runner(model: GPT2Model, batch: int, context: int,
+                       gemv_max_rows: int = model_runner.GEMV_MAX_ROWS):
     """A function running one ragged step of ``batch`` decode chunks, each with ``context`` tokens cached (the cache
     holds arbitrary numbers: timing does not depend on them)."""
     store = ContiguousKVStore(model.config, num_slots=batch, max_len=context + 1)
@@ -168,7 +191,7 @@ def decode_step_runner(model: GPT2Model, batch: int, context: int):
     store.k[:] = 0.01
     store.v[:] = 0.01
     chunks = [Chunk(i, np.array([i % model.config.vocab_size]), context) for i in range(batch)]
-    return lambda: ragged_forward(model, store, chunks)
+    return lambda: ragged_forward(model, store, chunks, gemv_max_rows=gemv_max_rows)
 
 
 def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: int = 5,
@@ -182,27 +205,25 @@ def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: 
             for _ in range(pairs)]
 
 
-def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6), context: int = 128,
+def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), context: int = 128,
                              rounds: int = 7) -> list[dict]:
-    """The ragged decode step with ``model_runner``'s small-batch path (one GEMV per row, the head in cached
-    column blocks) against the plain GEMM path, interleaved round by round. -> one record per batch size, with
-    the median step of each and the median of the per-round ratios."""
-    default = model_runner.GEMV_MAX_ROWS
+    """The ragged decode step with one GEMV per row (the head in cached column blocks) against one GEMM per
+    matrix, interleaved round by round, at each batch size (also past ``GEMV_MAX_ROWS``, where the package uses
+    GEMM). -> one record per batch size: the median step of each path, the median of the per-round ratios
+    GEMM time / GEMV time, and which path the package takes at that size."""
     records = []
-    try:
-        for b in batches:
-            step = decode_step_runner(model, b, context)
-            times: dict[bool, list[float]] = {True: [], False: []}
-            for r in range(rounds):
-                for gemv in ((True, False) if r % 2 else (False, True)):
-                    model_runner.GEMV_MAX_ROWS = default if gemv else 1
-                    times[gemv].append(median_time(step, repeats=3, warmup=1))
-            ratios = [g / v for g, v in zip(times[False], times[True])]
-            records.append({"batch": b, "context": context, "gemm_seconds_per_step": float(np.median(times[False])),
-                            "gemv_seconds_per_step": float(np.median(times[True])),
-                            "speedup": float(np.median(ratios))})
-    finally:
-        model_runner.GEMV_MAX_ROWS = default
+    for b in batches:
+        steps = {"gemv": decode_step_runner(model, b, context, gemv_max_rows=b),
+                 "gemm": decode_step_runner(model, b, context, gemv_max_rows=1)}
+        times: dict[str, list[float]] = {"gemv": [], "gemm": []}
+        for r in range(rounds):
+            for path in (("gemv", "gemm") if r % 2 else ("gemm", "gemv")):
+                times[path].append(median_time(steps[path], repeats=3, warmup=1))
+        ratios = [g / v for g, v in zip(times["gemm"], times["gemv"])]
+        records.append({"batch": b, "context": context, "gemm_seconds_per_step": float(np.median(times["gemm"])),
+                        "gemv_seconds_per_step": float(np.median(times["gemv"])),
+                        "speedup": float(np.median(ratios)),
+                        "package_path": "gemv" if 1 < b <= model_runner.GEMV_MAX_ROWS else "gemm"})
     return records
 
 
@@ -234,28 +255,31 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         requests = quick_workload() if quick else wl.standard_workload()
         name = "quick_workload()" if quick else "standard_workload(num_requests=48, seed=0, request_rate=4.0)"
     max_len = min(model.config.n_positions, max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests))
-    results, series = [], {}
+    results = []
+
+    # Continuous runs twice, before and after the two slow strategies (A-B-C-A): the machine drifts over the
+    # minutes this takes, and the mean of the bracketing runs compares with sequential and static fairly.
+    first, engine = run_continuous(model, requests, max_num_seqs=max_batch, max_len=max_len)
 
     outs = replay_sequential(model, requests)
     seq = wl.summarize(outs)
     results.append(record("sequential", 1, seq, utilisation_from_steps(sequential_intervals(outs), max_batch)))
-    series["sequential"] = outs
 
     outs, batches = replay_static(model, requests, batch_size=max_batch)
     static = wl.summarize(outs)
     results.append(record("static", max_batch, static, utilisation_from_steps(static_intervals(batches), max_batch),
                           num_batches=len(batches)))
-    series["static"] = outs
 
-    outs, engine = run_continuous(model, requests, max_num_seqs=max_batch, max_len=max_len)
-    cont = wl.summarize(outs)
+    second, _ = run_continuous(model, requests, max_num_seqs=max_batch, max_len=max_len)
+    runs = [wl.summarize(first), wl.summarize(second)]
+    cont = {**runs[0], "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in runs]))}  # latencies: run 1
     stats = engine.step_stats
     kv_used = sum(s.kv_used_tokens for s in stats) / max(1, sum(s.kv_reserved_tokens for s in stats))
     results.append(record("continuous", max_batch, cont, utilisation_from_steps(engine_intervals(engine), max_batch),
                           num_steps=len(stats), mean_batch=float(np.mean([s.num_seqs for s in stats])),
                           kv_reserved_used_fraction=kv_used, num_preemptions=cont["num_preemptions"],
-                          max_len=max_len))
-    series["continuous"] = outs
+                          max_len=max_len, runs=[{k: r[k] for k in ("tokens_per_s", "duration_s", "mean_ttft_s",
+                                                                     "p50_itl_s")} for r in runs]))
 
     hf = replay_hf(model, requests, max_batch, threads)
     hf_summary = None
@@ -279,7 +303,7 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
                              "fraction_of_gemm_bound": float(np.median(fractions)),
                              "fraction_of_gemm_bound_per_pair": fractions})
         results.append({"method": "gemm_bound", "batch": b, **bound})
-    small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6),
+    small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6, 8),
                                            context=context, rounds=3 if quick else 7)
     bandwidth = gemv_bandwidth()
     bw_bound = bandwidth / weight_bytes_per_token(model)

@@ -37,21 +37,21 @@ def decode_attention(q, k, v):  # q [H, 1, D] already scaled by 1/sqrt(D); k, v 
 
 
 # Up to how many rows one GEMV per row beats one GEMM, and the head's column block; measured on this project's
-# 2-core machine (``python -m gpt2_core bench batching`` records the effect in its ``small_batch`` records).
+# 2-core machine (``python -m gpt2_core bench batching`` records both paths under ``small_batch_gemv``).
 GEMV_MAX_ROWS = 6
-HEAD_BLOCK = 2048  # columns: 768 x 2048 float32 = 6 MB
+HEAD_BLOCK = 2048  # columns: 768 x 2048 float32 = 6 MB for GPT-2 small
 
 
-def batched_linear(x, weight, bias):  # x [N, in]; weight [in, out]; bias [out] -> [N, out]
+def batched_linear(x, weight, bias, gemv_max_rows: int = GEMV_MAX_ROWS):  # x [N, in] -> [N, out]
     """Chapter 1's ``linear`` for many rows, with the bias added in place (no second [N, out] array).
 
-    BLAS's matrix-matrix product (GEMM) first copies the whole weight into its own tile layout. For one row
-    NumPy calls a matrix-vector product (GEMV) instead, which just streams the weight. For 2 to
-    ``GEMV_MAX_ROWS`` rows, one GEMV per row still costs less than that copy: the rows after the first find the
-    weight (2-9 MB per matrix here) in the L3 cache. ``x[:, None, :] @ weight`` is a stack of N [1, in] x
-    [in, out] products, which NumPy hands to BLAS one GEMV at a time.
+    BLAS's matrix-matrix product (GEMM) repacks the weight, panel by panel, into cache-sized tiles before
+    multiplying. For one row NumPy calls a matrix-vector product (GEMV) instead, which just streams the weight.
+    For 2 to ``gemv_max_rows`` rows, one GEMV per row still costs less than the repacking: the rows after the
+    first find the weight (2-9 MB per matrix for GPT-2 small) in the L3 cache. ``x[:, None, :] @ weight`` is a
+    stack of N [1, in] x [in, out] products, which NumPy hands to BLAS one GEMV at a time.
     """
-    if 1 < len(x) <= GEMV_MAX_ROWS:
+    if 1 < len(x) <= gemv_max_rows:
         y = np.matmul(x[:, None, :], weight)[:, 0, :]  # [N, out]: N GEMVs
     else:
         y = x @ weight  # [N, out]: one GEMM (or one GEMV for N == 1)
@@ -59,15 +59,15 @@ def batched_linear(x, weight, bias):  # x [N, in]; weight [in, out]; bias [out] 
     return y
 
 
-def batched_lm_head(model: GPT2Model, x) -> np.ndarray:  # x [B, E] -> logits [B, V]
+def batched_lm_head(model: GPT2Model, x, gemv_max_rows: int = GEMV_MAX_ROWS) -> np.ndarray:  # [B, E] -> [B, V]
     """Chapter 2's ``lm_head_fast`` for a batch of last positions.
 
-    The head [E, V] is 154 MB for GPT-2: far past any cache, so for a few rows the matrix-matrix product packs
-    it all from memory. For 2 to ``GEMV_MAX_ROWS`` rows, one GEMV per row over column blocks of
-    ``HEAD_BLOCK`` (6 MB, so it stays in the L3 cache) reads each block from memory once, for the first row,
-    and from cache for the others.
+    The head [E, V] is 154 MB for GPT-2 small: far past any cache, so for a few rows the matrix-matrix product
+    repacks all of it from memory. For 2 to ``gemv_max_rows`` rows, one GEMV per row over column blocks of
+    ``HEAD_BLOCK`` columns (small enough to stay in the L3 cache) reads each block from memory once, for the
+    first row, and from cache for the others.
     """
-    if not 1 < len(x) <= GEMV_MAX_ROWS:
+    if not 1 < len(x) <= gemv_max_rows:
         return lm_head_fast(model, x)  # [B, V]
     x = layer_norm(x, **model.params["ln_f"], eps=model.config.layer_norm_epsilon)  # [B, E]
     head = model.lm_head_weight()  # [E, V]
@@ -79,8 +79,10 @@ def batched_lm_head(model: GPT2Model, x) -> np.ndarray:  # x [B, E] -> logits [B
 
 def gelu_(h):  # h [N, F], overwritten with gelu(h)
     """Chapter 1's ``gelu``, computed in place with one scratch array (the same operations in the same order,
-    so the same float32 numbers). Chapter 1's expression makes eight temporaries the size of ``h``, 15 MB each
-    for a 1,250-token prefill step; this form makes one (timed against chapter 1's in notebook 03)."""
+    so the same float32 numbers). Chapter 1's expression gives each of its nine operations a new result array;
+    NumPy recycles some of them, but at its peak it holds three arrays the size of ``h`` (15 MB each for a
+    1,250-token prefill step). This form holds one and writes the result into ``h`` (notebook 03 measures
+    both)."""
     t = h * h  # [N, F] the one scratch array
     t *= h  # x^3
     t *= np.float32(0.044715)
@@ -93,11 +95,14 @@ def gelu_(h):  # h [N, F], overwritten with gelu(h)
     return h
 
 
-def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.ndarray:
+def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk],
+                   gemv_max_rows: int = GEMV_MAX_ROWS) -> np.ndarray:
     """Run every chunk through the model in one pass; return the next-token logits of each chunk [B, V].
 
     The store must already have room for ``start + T`` tokens of every chunk (``KVStore.ensure``).
+    ``gemv_max_rows``: see ``batched_linear`` (1 = always GEMM, as the benchmark compares).
     """
+    g = gemv_max_rows
     cfg, params = model.config, model.params
     lengths = [len(c.token_ids) for c in chunks]
     ends = np.cumsum(lengths)  # [B] row after each chunk's last token
@@ -108,7 +113,7 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
     eps, H, D = cfg.layer_norm_epsilon, cfg.n_head, cfg.head_dim
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
-        qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [N, 3E]: all rows at once
+        qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"], gemv_max_rows=g)  # [N, 3E]
         q, k, v = qkv.reshape(len(x), 3, H, D).transpose(1, 2, 0, 3)  # 3 x [H, N, D] views, no copy
         q_scaled = q * scale  # [H, N, D] for the decode path, scaled once for all rows
         out = np.empty((len(x), H, D), dtype=x.dtype)  # [N, H, D]
@@ -118,7 +123,7 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
                 out[a] = decode_attention(q_scaled[:, a:b], k_all, v_all)[:, 0]  # [H, D]
             else:  # prefill: chapter 1's causal attention
                 out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
-        x += batched_linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E], residual in place
-        h = gelu_(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [N, 4E]
-        x += batched_linear(h, **p["mlp"]["c_proj"])  # [N, E]: chapter 1's mlp, in place
-    return batched_lm_head(model, x[ends - 1])  # [B, V]: only each chunk's last position needs logits
+        x += batched_linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"], gemv_max_rows=g)  # [N, E] residual
+        h = gelu_(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"], gemv_max_rows=g))  # [N, 4E]
+        x += batched_linear(h, **p["mlp"]["c_proj"], gemv_max_rows=g)  # [N, E]: chapter 1's mlp, in place
+    return batched_lm_head(model, x[ends - 1], gemv_max_rows=g)  # [B, V]: only each chunk's last position

@@ -67,7 +67,8 @@ def test_ragged_step_logits_match_chapter_2_within_1e_4(name, model):
 
 
 def test_gelu_in_place_is_chapter_1_gelu_bit_for_bit():
-    x = np.random.default_rng(0).standard_normal((37, 96), dtype=np.float32) * 4
+    x = np.random.default_rng(0).standard_normal((64, 3072), dtype=np.float32) * 4  # big enough that NumPy
+    # recycles temporaries inside chapter 1's gelu (from 256 KiB)
     h = x.copy()
     assert gelu_(h) is h
     assert np.array_equal(h, gelu(x))
@@ -91,7 +92,9 @@ def test_decode_steps_of_every_batch_size_match_chapter_2(name, model, monkeypat
     monkeypatch.setattr(model_runner, "HEAD_BLOCK", 7)
     rng = np.random.default_rng(1)
     V = model.config.vocab_size
-    for batch in range(1, model_runner.GEMV_MAX_ROWS + 4):
+    before = {k: a.copy() for k, a in model.state_dict().items()}
+    for batch, gemv_max_rows in [(b, model_runner.GEMV_MAX_ROWS) for b in range(1, model_runner.GEMV_MAX_ROWS + 4)] \
+            + [(3, 1), (8, 8)]:  # and each path forced where the package would take the other
         store = ContiguousKVStore(model.config, num_slots=batch, max_len=12)
         prompts = [rng.integers(0, V, size=int(rng.integers(1, 8))) for _ in range(batch)]
         caches = []
@@ -101,10 +104,13 @@ def test_decode_steps_of_every_batch_size_match_chapter_2(name, model, monkeypat
             caches.append(kv_cache.prefill(model, p, capacity=12, last_only=True)[1])
         tokens = rng.integers(0, V, size=batch)
         step = ragged_forward(model, store, [Chunk(i, np.array([t]), len(p))
-                                             for i, (p, t) in enumerate(zip(prompts, tokens))])
+                                             for i, (p, t) in enumerate(zip(prompts, tokens))],
+                              gemv_max_rows=gemv_max_rows)
         assert step.shape == (batch, V)
         for row, t, cache in zip(step, tokens, caches):
             np.testing.assert_allclose(row, kv_cache.decode_step(model, int(t), cache), atol=1e-4)
+    for key, a in model.state_dict().items():  # the in-place arithmetic never touches a weight
+        assert np.array_equal(a, before[key]), key
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -353,21 +359,50 @@ def test_decode_step_and_its_gemm_bound_are_measured_side_by_side():
         assert 0 < bound["lm_head_share"] < 1
 
 
-def test_small_batch_gemv_path_is_measured_against_gemm_and_restored(monkeypatch):
+def test_small_batch_comparison_runs_both_paths(monkeypatch):
+    """The GEMM arm goes through chapter 2's ``lm_head_fast`` (the GEMM head), the GEMV arm never does."""
     from gpt2_core import bench_batching as bb
 
-    seen = []
-    runner = bb.decode_step_runner
-
-    def spy(model, batch, context):  # record which path each timed step took
-        step = runner(model, batch, context)
-        return lambda: (seen.append(model_runner.GEMV_MAX_ROWS), step())[1]
-
-    monkeypatch.setattr(bb, "decode_step_runner", spy)
-    default = model_runner.GEMV_MAX_ROWS
+    calls = []
+    head = model_runner.lm_head_fast
+    monkeypatch.setattr(model_runner, "lm_head_fast", lambda model, x: (calls.append(len(x)), head(model, x))[1])
     records = bb.small_batch_gemv_speedup(MODEL, batches=(2, 3), context=8, rounds=2)
-    assert model_runner.GEMV_MAX_ROWS == default  # the module's setting is put back
-    assert set(seen) == {1, default}  # both paths ran
-    assert [r["batch"] for r in records] == [2, 3]
+    steps_per_arm = 2 * (1 + 3)  # rounds x (warm-up + repeats)
+    assert calls == [2] * steps_per_arm + [3] * steps_per_arm  # only the GEMM arm's steps
+    assert [r["batch"] for r in records] == [2, 3] and all(r["package_path"] == "gemv" for r in records)
     for r in records:
         assert r["gemm_seconds_per_step"] > 0 and r["gemv_seconds_per_step"] > 0 and r["speedup"] > 0
+
+
+def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
+    from gpt2_core import bench_batching as bb
+
+    timed = []
+    monkeypatch.setattr(bb, "median_time", lambda fn, repeats=5, warmup=1: (timed.append(fn.__name__ if hasattr(
+        fn, "__name__") else ""), fn(), 1e-3)[2])
+    bb.matmul_seconds(3, 8, 40, head=True)
+    bb.matmul_seconds(3, 8, 40)
+    bb.matmul_seconds(model_runner.GEMV_MAX_ROWS + 1, 8, 40, head=True)
+    assert timed == ["blocked", "<lambda>", "<lambda>"]
+    bound = bb.gemm_bound_tokens_per_s(MODEL, batch=2, repeats=1)
+    assert bound["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
+
+
+def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
+    """The quick benchmark end to end (GPT-2 124M shape, 8 short requests): every strategy, the continuous
+    figure as the mean of its two bracketing runs, the ratios computed from the records, the small-batch
+    comparison. HF transformers is left out (it is an optional reference)."""
+    from gpt2_core import bench_batching as bb
+
+    monkeypatch.setattr(bb, "replay_hf", lambda *a, **k: None)
+    data = bb.bench_batching(quick=True, sweep=[1, 2], context=8)
+    by = {r["method"]: r for r in data["results"] if r["method"] != "gemm_bound"}
+    assert set(by) == {"sequential", "static", "continuous"}
+    runs = by["continuous"]["runs"]
+    assert len(runs) == 2 and all(r["tokens_per_s"] > 0 for r in runs)
+    assert by["continuous"]["tokens_per_s"] == pytest.approx(np.mean([r["tokens_per_s"] for r in runs]))
+    assert data["ratios"]["continuous_over_sequential"] == pytest.approx(
+        by["continuous"]["tokens_per_s"] / by["sequential"]["tokens_per_s"])
+    assert [r["batch"] for r in data["small_batch_gemv"]] == [2, 4]
+    assert [d["batch"] for d in data["decode_sweep"]] == [1, 2]
+    assert all(r["output_tokens"] == by["sequential"]["output_tokens"] for r in by.values())
