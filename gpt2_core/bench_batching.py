@@ -148,22 +148,13 @@ def sequential_intervals(outputs) -> list:
 
 
 def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False) -> float:
-    """Seconds of one float32 [m, k] x [k, n] product, run the way the ragged step runs it: one GEMM, or for
-    2..``GEMV_MAX_ROWS`` rows one GEMV per row (``batched_linear``; for the LM head, ``head=True``, over column
-    blocks of ``HEAD_BLOCK`` as ``batched_lm_head`` does)."""
+    """Seconds of one float32 [m, k] x [k, n] product, run the way the ragged step runs it:
+    ``model_runner.batched_matmul``, in ``HEAD_BLOCK`` column blocks for the LM head (``head=True``)."""
     rng = np.random.default_rng(0)
     A = rng.standard_normal((m, k), dtype=np.float32)
     B = rng.standard_normal((k, n), dtype=np.float32)
-    if not 1 < m <= model_runner.GEMV_MAX_ROWS:
-        return median_time(lambda: A @ B, repeats=repeats)
-    if not head:
-        return median_time(lambda: np.matmul(A[:, None, :], B), repeats=repeats)
-    out, block = np.empty((m, 1, n), dtype=np.float32), model_runner.HEAD_BLOCK
-
-    def blocked():
-        for j in range(0, n, block):
-            np.matmul(A[:, None, :], B[:, j:j + block], out=out[:, :, j:j + block])
-    return median_time(blocked, repeats=repeats)
+    block = model_runner.HEAD_BLOCK if head else None
+    return median_time(lambda: model_runner.batched_matmul(A, B, block=block), repeats=repeats)
 
 
 def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> dict:

@@ -42,19 +42,29 @@ GEMV_MAX_ROWS = 6
 HEAD_BLOCK = 2048  # columns: 768 x 2048 float32 = 6 MB for GPT-2 small
 
 
-def batched_linear(x, weight, bias, gemv_max_rows: int = GEMV_MAX_ROWS):  # x [N, in] -> [N, out]
-    """Chapter 1's ``linear`` for many rows, with the bias added in place (no second [N, out] array).
+def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | None = None):  # [N, in] -> [N, out]
+    """``x @ weight`` by the faster kernel for N rows.
 
     BLAS's matrix-matrix product (GEMM) repacks the weight, panel by panel, into cache-sized tiles before
     multiplying. For one row NumPy calls a matrix-vector product (GEMV) instead, which just streams the weight.
     For 2 to ``gemv_max_rows`` rows, one GEMV per row still costs less than the repacking: the rows after the
     first find the weight (2-9 MB per matrix for GPT-2 small) in the L3 cache. ``x[:, None, :] @ weight`` is a
-    stack of N [1, in] x [in, out] products, which NumPy hands to BLAS one GEMV at a time.
+    stack of N [1, in] x [in, out] products, which NumPy hands to BLAS one GEMV at a time. A weight too big for
+    the cache (the LM head) is walked in column blocks of ``block`` columns, each used by every row in turn.
     """
-    if 1 < len(x) <= gemv_max_rows:
-        y = np.matmul(x[:, None, :], weight)[:, 0, :]  # [N, out]: N GEMVs
-    else:
-        y = x @ weight  # [N, out]: one GEMM (or one GEMV for N == 1)
+    if not 1 < len(x) <= gemv_max_rows:
+        return x @ weight  # [N, out]: one GEMM (or one GEMV for N == 1)
+    y = np.empty((len(x), 1, weight.shape[1]), dtype=np.result_type(x, weight))  # [N, 1, out]
+    step = block or weight.shape[1]
+    for j in range(0, weight.shape[1], step):
+        np.matmul(x[:, None, :], weight[:, j:j + step], out=y[:, :, j:j + step])  # N GEMVs
+    return y[:, 0, :]  # [N, out]
+
+
+def batched_linear(x, weight, bias, gemv_max_rows: int = GEMV_MAX_ROWS):  # x [N, in] -> [N, out]
+    """Chapter 1's ``linear`` for many rows (``batched_matmul``), with the bias added in place (no second
+    [N, out] array)."""
+    y = batched_matmul(x, weight, gemv_max_rows)
     y += bias
     return y
 
@@ -63,18 +73,14 @@ def batched_lm_head(model: GPT2Model, x, gemv_max_rows: int = GEMV_MAX_ROWS) -> 
     """Chapter 2's ``lm_head_fast`` for a batch of last positions.
 
     The head [E, V] is 154 MB for GPT-2 small: far past any cache, so for a few rows the matrix-matrix product
-    repacks all of it from memory. For 2 to ``gemv_max_rows`` rows, one GEMV per row over column blocks of
-    ``HEAD_BLOCK`` columns (small enough to stay in the L3 cache) reads each block from memory once, for the
-    first row, and from cache for the others.
+    repacks all of it from memory. For 2 to ``gemv_max_rows`` rows, ``batched_matmul`` walks it in column blocks
+    of ``HEAD_BLOCK`` columns (small enough to stay in the L3 cache): each block is read from memory once, for
+    the first row, and from cache for the others.
     """
     if not 1 < len(x) <= gemv_max_rows:
         return lm_head_fast(model, x)  # [B, V]
     x = layer_norm(x, **model.params["ln_f"], eps=model.config.layer_norm_epsilon)  # [B, E]
-    head = model.lm_head_weight()  # [E, V]
-    logits = np.empty((len(x), head.shape[1]), dtype=x.dtype)  # [B, V]
-    for j in range(0, head.shape[1], HEAD_BLOCK):
-        np.matmul(x[:, None, :], head[:, j:j + HEAD_BLOCK], out=logits[:, None, j:j + HEAD_BLOCK])  # B GEMVs
-    return logits
+    return batched_matmul(x, model.lm_head_weight(), gemv_max_rows, block=HEAD_BLOCK)  # [B, V]
 
 
 def gelu_(h):  # h [N, F], overwritten with gelu(h)

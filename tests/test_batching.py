@@ -377,13 +377,14 @@ def test_small_batch_comparison_runs_both_paths(monkeypatch):
 def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
     from gpt2_core import bench_batching as bb
 
-    timed = []
-    monkeypatch.setattr(bb, "median_time", lambda fn, repeats=5, warmup=1: (timed.append(fn.__name__ if hasattr(
-        fn, "__name__") else ""), fn(), 1e-3)[2])
+    timed = []  # (rows, column block) of each product the bound times
+    matmul = model_runner.batched_matmul
+    monkeypatch.setattr(model_runner, "batched_matmul",
+                        lambda x, w, block=None: (timed.append((len(x), block)), matmul(x, w, block=block))[1])
+    monkeypatch.setattr(bb, "median_time", lambda fn, repeats=5, warmup=1: (fn(), 1e-3)[1])
     bb.matmul_seconds(3, 8, 40, head=True)
     bb.matmul_seconds(3, 8, 40)
-    bb.matmul_seconds(model_runner.GEMV_MAX_ROWS + 1, 8, 40, head=True)
-    assert timed == ["blocked", "<lambda>", "<lambda>"]
+    assert timed == [(3, model_runner.HEAD_BLOCK), (3, None)]  # the step's kernel: the head in column blocks
     bound = bb.gemm_bound_tokens_per_s(MODEL, batch=2, repeats=1)
     assert bound["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
 
