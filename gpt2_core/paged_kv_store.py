@@ -17,7 +17,7 @@ import numpy as np
 from .block_manager import BlockManager, blocks_needed
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError
-from .kv_store import KVStore
+from .kv_store import KVStore, claimed_zeros
 
 
 def slot_indices(block_table, num_tokens: int, block_size: int) -> np.ndarray:
@@ -39,7 +39,7 @@ class PagedKVStore(KVStore):
         self.manager = BlockManager(num_blocks, block_size)
         self.num_blocks = num_blocks
         L, H, D = config.n_layer, config.n_head, config.head_dim
-        self.kv = np.zeros((L, num_blocks * block_size, 2, H, D), dtype=dtype)  # [L, slots, K/V, H, D]
+        self.kv = claimed_zeros((L, num_blocks * block_size, 2, H, D), dtype)  # [L, slots, K/V, H, D]
         self.slots: dict[object, np.ndarray] = {}  # seq_id -> pool slot of each position it has room for
         self._out = np.empty(config.n_positions * 2 * H * D, dtype=dtype)  # scratch for one gather (no malloc)
         self.max_len = config.n_positions

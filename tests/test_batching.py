@@ -389,6 +389,20 @@ def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
     assert bound["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
 
 
+def test_warm_up_serves_every_strategy_and_builds_the_head_before_any_clock(monkeypatch):
+    from gpt2_core import bench_batching as bb
+
+    model = tiny_model()  # a fresh model: its LM head copy is made on first use
+    assert model._head[1] is None
+    calls = []
+    for name in ("run_continuous", "replay_sequential", "replay_static", "replay_hf"):
+        real = getattr(bb, name)
+        monkeypatch.setattr(bb, name, lambda *a, _name=name, _real=real, **k: (calls.append(_name), _real(*a, **k))[1])
+    bb.warm_up(model, threads=1)
+    assert calls == ["run_continuous", "replay_sequential", "replay_static", "replay_hf"]
+    assert model._head[1] is not None
+
+
 def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
     """The quick benchmark end to end (GPT-2 124M shape, 8 short requests): every strategy, the continuous
     figure as the mean of its two bracketing runs, the ratios computed from the records, the small-batch

@@ -10,6 +10,8 @@
   and end with the whole pool free; random workloads on random small pools always finish with the right tokens.
 """
 
+import os
+
 import numpy as np
 import pytest
 from helpers import run_counted_state_machine, tiny_model
@@ -32,6 +34,26 @@ SMALL = GPT2Config(vocab_size=11, n_positions=64, n_embd=8, n_head=2, n_layer=2)
 
 # ----------------------------------------------------------------------------------------------------------------
 # The store on its own
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux: /proc/self/statm, in pages)."""
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux's /proc")
+@pytest.mark.parametrize("make", [lambda c: ContiguousKVStore(c, num_slots=8, max_len=1024),
+                                  lambda c: PagedKVStore(c, num_blocks=512, block_size=16)],
+                         ids=["contiguous", "paged"])
+def test_a_store_takes_its_memory_when_built_not_on_first_use(make):
+    config = GPT2Config(vocab_size=11, n_positions=1024, n_embd=256, n_head=4, n_layer=4)  # 8 KiB per token
+    before = resident_bytes()
+    store = make(config)
+    grown = resident_bytes() - before
+    assert store.nbytes == 64 * 2**20
+    assert grown >= 0.9 * store.nbytes, f"built a {store.nbytes:,}-byte store, resident memory grew {grown:,} bytes"
+    arrays = [store.kv] if isinstance(store, PagedKVStore) else [store.k, store.v]
+    assert not any(a.any() for a in arrays)  # and it holds zeros, like np.zeros
 
 
 def test_slot_indices_map_positions_through_the_block_table():
