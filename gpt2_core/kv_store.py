@@ -15,16 +15,24 @@ import numpy as np
 
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError
+from .measure import available_memory_bytes
 
 
-def claimed_zeros(shape, dtype) -> np.ndarray:
+def claimed_zeros(shape, dtype, what: str) -> np.ndarray:
     """A zero-filled array whose memory is really taken now, not on first use.
 
     ``np.zeros`` gets fresh pages from the operating system, which maps them only when they are first written:
     the first model step to use each slot of a store would pay for those page faults, in the middle of serving
     (on this project's machine, the first uses of a 1 GB store added ~0.1 s per sequence). A server claims its
     KV memory when it starts, as vLLM does; writing every byte here moves that cost to the store's construction.
+    It also means the memory must exist: a store larger than the memory available is refused here, with its size
+    (``what`` describes it), instead of the process being killed halfway through writing it.
     """
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    available = available_memory_bytes()
+    if available is not None and nbytes > available:
+        raise CacheCapacityError(f"{what} needs {nbytes / 2**30:.2f} GiB, but only {available / 2**30:.2f} GiB of "
+                                 f"memory is available")
     array = np.empty(shape, dtype=dtype)
     array.fill(0)  # touches every page
     return array
@@ -96,8 +104,9 @@ class ContiguousKVStore(KVStore):
             raise InvalidInputError(f"num_slots must be >= 1, got {num_slots}")
         self.config, self.dtype, self.max_len, self.num_slots = config, np.dtype(dtype), max_len, num_slots
         shape = (num_slots, config.n_layer, config.n_head, max_len, config.head_dim)  # [slots, L, H, max_len, D]
-        self.k = claimed_zeros(shape, dtype)  # the whole store is taken at start-up, not slot by slot
-        self.v = claimed_zeros(shape, dtype)
+        kv = claimed_zeros((2, *shape), dtype, f"a contiguous KV store of {num_slots} slots x max_len={max_len} "
+                                               f"tokens (lower num_slots or max_len)")  # taken now, all of it
+        self.k, self.v = kv[0], kv[1]
         self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         self.slot_of: dict = {}
 

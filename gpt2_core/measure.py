@@ -33,6 +33,19 @@ def timing_model_shape():
     return replace(preset("gpt2"), n_layer=2)
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the operating system can still hand out without swapping (Linux's ``MemAvailable``), or None where
+    it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    return None
+
+
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls (one call, no warmup, when grading)."""
     if GRADING:

@@ -39,7 +39,8 @@ class PagedKVStore(KVStore):
         self.manager = BlockManager(num_blocks, block_size)
         self.num_blocks = num_blocks
         L, H, D = config.n_layer, config.n_head, config.head_dim
-        self.kv = claimed_zeros((L, num_blocks * block_size, 2, H, D), dtype)  # [L, slots, K/V, H, D]
+        self.kv = claimed_zeros((L, num_blocks * block_size, 2, H, D), dtype,  # [L, slots, K/V, H, D]
+                                f"a paged KV pool of {num_blocks} blocks x {block_size} tokens (lower num_blocks)")
         self.slots: dict[object, np.ndarray] = {}  # seq_id -> pool slot of each position it has room for
         self._out = np.empty(config.n_positions * 2 * H * D, dtype=dtype)  # scratch for one gather (no malloc)
         self.max_len = config.n_positions

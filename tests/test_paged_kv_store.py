@@ -27,6 +27,7 @@ from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core.model_runner import Chunk, ragged_forward
 from gpt2_core.paged_kv_store import PagedKVStore, slot_indices
 from gpt2_core.sequence import FinishReason, Request
+from gpt2_core.weights import random_model
 
 MODEL = tiny_model()
 CFG = MODEL.config
@@ -54,6 +55,36 @@ def test_a_store_takes_its_memory_when_built_not_on_first_use(make):
     assert grown >= 0.9 * store.nbytes, f"built a {store.nbytes:,}-byte store, resident memory grew {grown:,} bytes"
     arrays = [store.kv] if isinstance(store, PagedKVStore) else [store.k, store.v]
     assert not any(a.any() for a in arrays)  # and it holds zeros, like np.zeros
+
+
+@pytest.mark.parametrize("make,names", [
+    (lambda m: ContiguousKVStore(m.config, num_slots=8, max_len=1024), ["contiguous KV store of 8 slots",
+                                                                          "max_len=1024"]),
+    (lambda m: PagedKVStore(m.config, num_blocks=512, block_size=16), ["paged KV pool of 512 blocks", "num_blocks"]),
+    (lambda m: LLMEngine(m, max_num_seqs=8), ["8 slots x max_len=1024", "num_slots"])],  # its default store
+    ids=["contiguous", "paged", "engine-default-store"])
+def test_a_store_larger_than_the_memory_available_is_refused_before_it_is_written(make, names, monkeypatch):
+    import gpt2_core.kv_store
+
+    monkeypatch.setattr(gpt2_core.kv_store, "available_memory_bytes", lambda: 48 * 2**20)  # 48 MiB left
+    model = random_model(GPT2Config(vocab_size=11, n_positions=1024, n_embd=256, n_head=4, n_layer=4))
+    before = resident_bytes()
+    with pytest.raises(CacheCapacityError) as error:
+        make(model)  # each store would be 64 MiB
+    message = str(error.value)
+    assert "needs 0.06 GiB, but only 0.05 GiB of memory is available" in message, message
+    assert all(name in message for name in names), message
+    assert resident_bytes() - before < 8 * 2**20  # refused before writing (the 64 MiB were never touched)
+
+
+def test_available_memory_is_read_from_the_system():
+    from gpt2_core.measure import available_memory_bytes
+
+    available = available_memory_bytes()
+    if os.path.exists("/proc/meminfo"):
+        assert isinstance(available, int) and available > 0
+    else:
+        assert available is None  # then stores are built unchecked
 
 
 def test_slot_indices_map_positions_through_the_block_table():
