@@ -9,6 +9,7 @@ not change.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -19,20 +20,20 @@ from .measure import available_memory_bytes
 
 
 def claimed_zeros(shape, dtype, what: str) -> np.ndarray:
-    """A zero-filled array whose memory is really taken now, not on first use.
+    """A zero-filled array whose memory is really taken now, not bit by bit as it is first written.
 
     ``np.zeros`` gets fresh pages from the operating system, which maps them only when they are first written:
-    the first model step to use each slot of a store would pay for those page faults, in the middle of serving
-    (on this project's machine, the first uses of a 1 GB store added ~0.1 s per sequence). A server claims its
-    KV memory when it starts, as vLLM does; writing every byte here moves that cost to the store's construction.
-    It also means the memory must exist: a store larger than the memory available is refused here, with its size
-    (``what`` describes it), instead of the process being killed halfway through writing it.
+    the model steps that first fill each slot of a store would stop for those page faults, in the middle of
+    serving (on this project's machine, the first 7 sequences in a fresh 1.2 GB store lost 0.6 s to them).
+    vLLM also allocates its whole KV cache up front; writing every byte here moves the cost to the store's
+    construction. The memory must then exist: a store larger than the memory available (when the system says
+    how much that is: ``measure.available_memory_bytes``) is refused with its size, ``what`` describing it.
     """
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     available = available_memory_bytes()
     if available is not None and nbytes > available:
-        raise CacheCapacityError(f"{what} needs {nbytes / 2**30:.2f} GiB, but only {available / 2**30:.2f} GiB of "
-                                 f"memory is available")
+        raise CacheCapacityError(f"{what} needs {nbytes / 2**20:,.1f} MiB, but only {available / 2**20:,.1f} MiB "
+                                 f"of memory is available")
     array = np.empty(shape, dtype=dtype)
     array.fill(0)  # touches every page
     return array
@@ -104,9 +105,9 @@ class ContiguousKVStore(KVStore):
             raise InvalidInputError(f"num_slots must be >= 1, got {num_slots}")
         self.config, self.dtype, self.max_len, self.num_slots = config, np.dtype(dtype), max_len, num_slots
         shape = (num_slots, config.n_layer, config.n_head, max_len, config.head_dim)  # [slots, L, H, max_len, D]
-        kv = claimed_zeros((2, *shape), dtype, f"a contiguous KV store of {num_slots} slots x max_len={max_len} "
-                                               f"tokens (lower num_slots or max_len)")  # taken now, all of it
-        self.k, self.v = kv[0], kv[1]
+        kv = claimed_zeros((2, *shape), dtype, f"a contiguous KV store of {num_slots} slots x max_len={max_len} tokens "
+                                               f"(lower the slots, max_num_seqs in the engine, or max_len)")
+        self.k, self.v = kv[0], kv[1]  # K and V, taken now, all of it
         self.free_slots = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
         self.slot_of: dict = {}
 

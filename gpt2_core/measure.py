@@ -12,6 +12,7 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -33,17 +34,26 @@ def timing_model_shape():
     return replace(preset("gpt2"), n_layer=2)
 
 
-def available_memory_bytes() -> int | None:
-    """Memory the operating system can still hand out without swapping (Linux's ``MemAvailable``), or None where
-    it does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except OSError:
-        pass
-    return None
+def available_memory_bytes(root: str = "/") -> int | None:
+    """Memory this process can still get without swapping or passing its container's limit: the smaller of
+    Linux's ``MemAvailable`` and what the cgroup's memory limit leaves (cgroup v2 or v1); None where the system
+    tells neither. ``root``: where to find ``proc/`` and ``sys/`` (tests point it at fake files)."""
+    def read(path):
+        try:
+            return (Path(root) / path).read_text()
+        except OSError:
+            return None
+
+    found = []
+    meminfo = read("proc/meminfo") or ""
+    found += [int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemAvailable:")]
+    for limit_file, usage_file in (("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory.current"),
+                                   ("sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = read(limit_file), read(usage_file)
+        if limit and usage and limit.strip().isdigit() and int(limit) < 2**60:  # "max" / huge: no limit
+            found.append(max(0, int(limit) - int(usage)))
+    return min(found) if found else None
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .errors import InvalidInputError
 from .generation import check_generation
+from .kv_store import claimed_zeros
 from .model import gelu, layer_norm, linear, lm_head, softmax
 from .sampling import Sampler, SamplingParams
 from .sequence import FinishReason, SequenceMetrics
@@ -128,7 +129,8 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     if steps == 0:
         return out
     shape = (cfg.n_layer, B, cfg.n_head, T + steps, cfg.head_dim)  # columns, not positions: may exceed n_ctx
-    cache = StaticBatchCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+    kv = claimed_zeros((2, *shape), np.float32, f"a static batch's KV cache of {B} rows x {T + steps} columns")
+    cache = StaticBatchCache(kv[0], kv[1])  # taken when the batch starts, like the engine's store
     logits = static_forward(model, ids, position_ids(key_mask), key_mask, cache)  # prefill: [B, V]
     done = [m == 0 for m in budgets]
     eos = cfg.eos_token_id if stop_at_eos else None

@@ -27,6 +27,7 @@ from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core.model_runner import Chunk, ragged_forward
 from gpt2_core.paged_kv_store import PagedKVStore, slot_indices
 from gpt2_core.sequence import FinishReason, Request
+from gpt2_core.static_batching import static_generate
 from gpt2_core.weights import random_model
 
 MODEL = tiny_model()
@@ -61,8 +62,9 @@ def test_a_store_takes_its_memory_when_built_not_on_first_use(make):
     (lambda m: ContiguousKVStore(m.config, num_slots=8, max_len=1024), ["contiguous KV store of 8 slots",
                                                                           "max_len=1024"]),
     (lambda m: PagedKVStore(m.config, num_blocks=512, block_size=16), ["paged KV pool of 512 blocks", "num_blocks"]),
-    (lambda m: LLMEngine(m, max_num_seqs=8), ["8 slots x max_len=1024", "num_slots"])],  # its default store
-    ids=["contiguous", "paged", "engine-default-store"])
+    (lambda m: LLMEngine(m, max_num_seqs=8), ["8 slots x max_len=1024", "max_num_seqs"]),  # its default store
+    (lambda m: static_generate(m, [[1, 2]] * 8, 1022), ["static batch's KV cache of 8 rows x 1024 columns"])],
+    ids=["contiguous", "paged", "engine-default-store", "static-batch"])
 def test_a_store_larger_than_the_memory_available_is_refused_before_it_is_written(make, names, monkeypatch):
     import gpt2_core.kv_store
 
@@ -72,9 +74,30 @@ def test_a_store_larger_than_the_memory_available_is_refused_before_it_is_writte
     with pytest.raises(CacheCapacityError) as error:
         make(model)  # each store would be 64 MiB
     message = str(error.value)
-    assert "needs 0.06 GiB, but only 0.05 GiB of memory is available" in message, message
+    assert "needs 64.0 MiB, but only 48.0 MiB of memory is available" in message, message
     assert all(name in message for name in names), message
     assert resident_bytes() - before < 8 * 2**20  # refused before writing (the 64 MiB were never touched)
+
+
+def test_available_memory_is_the_smaller_of_the_system_and_the_container_limit(tmp_path):
+    from gpt2_core.measure import available_memory_bytes
+
+    def write(path, text):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+
+    assert available_memory_bytes(str(tmp_path)) is None  # the system says nothing
+    write("proc/meminfo", "MemTotal:  4000 kB\nMemFree:  1000 kB\nMemAvailable:  3000 kB\n")
+    assert available_memory_bytes(str(tmp_path)) == 3000 * 1024
+    write("sys/fs/cgroup/memory.max", "max\n")  # cgroup v2 without a limit
+    write("sys/fs/cgroup/memory.current", "999999\n")
+    assert available_memory_bytes(str(tmp_path)) == 3000 * 1024
+    write("sys/fs/cgroup/memory.max", "2097152\n")  # a 2 MiB container with 1.5 MiB in use
+    write("sys/fs/cgroup/memory.current", "1572864\n")
+    assert available_memory_bytes(str(tmp_path)) == 524288
+    write("sys/fs/cgroup/memory/memory.limit_in_bytes", "1048576\n")  # cgroup v1, fuller still
+    write("sys/fs/cgroup/memory/memory.usage_in_bytes", "1048576\n")
+    assert available_memory_bytes(str(tmp_path)) == 0
 
 
 def test_available_memory_is_read_from_the_system():
