@@ -389,15 +389,21 @@ def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
     assert bound["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
 
 
+def record_calls(monkeypatch, module, names) -> list:
+    """Wrap each ``module.<name>`` so that calling it appends its name to the returned list, then runs it."""
+    calls = []
+    for name in names:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _name=name, _real=real, **k: (calls.append(_name), _real(*a, **k))[1])
+    return calls
+
+
 def test_warm_up_serves_every_numpy_strategy_and_builds_the_head(monkeypatch):
     from gpt2_core import bench_batching as bb
 
     model = tiny_model()  # a fresh model: its LM head copy is made on first use
     assert model._head[1] is None
-    calls = []
-    for name in ("run_continuous", "replay_sequential", "replay_static", "replay_hf"):
-        real = getattr(bb, name)
-        monkeypatch.setattr(bb, name, lambda *a, _name=name, _real=real, **k: (calls.append(_name), _real(*a, **k))[1])
+    calls = record_calls(monkeypatch, bb, ("run_continuous", "replay_sequential", "replay_static", "replay_hf"))
     bb.warm_up(model)
     assert calls == ["run_continuous", "replay_sequential", "replay_static"]  # torch is not loaded here
     assert model._head[1] is not None
@@ -410,10 +416,7 @@ def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
     from gpt2_core import bench_batching as bb
 
     monkeypatch.setattr(bb, "replay_hf", lambda *a, **k: None)
-    order = []
-    for name in ("warm_up", "run_continuous", "replay_sequential"):
-        real = getattr(bb, name)
-        monkeypatch.setattr(bb, name, lambda *a, _name=name, _real=real, **k: (order.append(_name), _real(*a, **k))[1])
+    order = record_calls(monkeypatch, bb, ("warm_up", "run_continuous", "replay_sequential"))
     data = bb.bench_batching(quick=True, sweep=[1, 2], context=8)
     assert order[0] == "warm_up"  # before any strategy is timed (it calls the strategies itself, on its own)
     assert order[-3:] == ["run_continuous", "replay_sequential", "run_continuous"]  # the timed A-B-...-A order
