@@ -203,29 +203,32 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Chapter 2, optimisation 3 (rejected): the output projections' memory order, on whole steps
+# Chapter 2, optimisation 3: the output projections' memory order, on whole steps
 
 
-def column_major_projections(model: GPT2Model) -> GPT2Model:
-    """A model sharing every array with ``model`` except the blocks' two output projections, copied column-major
-    (same shapes, same values, Fortran order)."""
+def projections_in_order(model: GPT2Model, order: str) -> GPT2Model:
+    """A model sharing every array with ``model`` except the blocks' two output projections, copied into memory
+    ``order`` ("C": row-major, as the checkpoint stores them; "F": column-major, as the package keeps them). Same
+    shapes, same values."""
     blocks = []
     for b in model.params["h"]:
         block = dict(b)
         for module in ("attn", "mlp"):
             block[module] = {**b[module], "c_proj": {**b[module]["c_proj"],
-                                                     "weight": np.asfortranarray(b[module]["c_proj"]["weight"])}}
+                                                     "weight": np.asarray(b[module]["c_proj"]["weight"], order=order)}}
         blocks.append(block)
     return GPT2Model(model.config, {**model.params, "h": blocks}, model.tokenizer, model.source)
 
 
 def bench_layout(quick: bool = QUICK, context: int = 128) -> dict:
-    """Whole decode steps with the checkpoint's row-major projections vs column-major ones, side by side (each
-    round times both): chapter 2's ``decode_step`` at batch 1, chapter 3's ragged step for larger batches."""
+    """Whole decode steps with the checkpoint's row-major output projections vs the package's column-major ones,
+    side by side (each round times both): chapter 2's ``decode_step`` at batch 1, chapter 3's ragged step for
+    larger batches."""
     from .bench_batching import decode_step_runner
 
-    models = {"row_major": random_model("gpt2", seed=0)}
-    models["column_major_projections"] = column_major_projections(models["row_major"])
+    base = random_model("gpt2", seed=0)
+    models = {"row_major": projections_in_order(base, "C"),
+              "column_major_projections": projections_in_order(base, "F")}
     rounds = 5 if quick else 15
 
     def batch_one(model):
@@ -243,9 +246,9 @@ def bench_layout(quick: bool = QUICK, context: int = 128) -> dict:
         times = {name: [] for name in steps}
         for step in steps.values():
             step()  # warm-up
-        for _ in range(rounds):
-            for name, step in steps.items():
-                times[name].append(median_time(step, repeats=1, warmup=0))
+        for r in range(rounds):  # both layouts in every round, in alternating order
+            for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                times[name].append(median_time(steps[name], repeats=1, warmup=0))
         for name, t in times.items():
             seconds = float(np.median(t))
             results.append({"method": name, "batch": batch, "context": context, "seconds_per_step": seconds,

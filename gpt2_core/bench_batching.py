@@ -150,12 +150,14 @@ def sequential_intervals(outputs) -> list:
 # Machine limits and the batched decode step
 
 
-def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False) -> float:
+def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False,
+                   column_major: bool = False) -> float:
     """Seconds of one float32 [m, k] x [k, n] product, run the way the ragged step runs it:
-    ``model_runner.batched_matmul``, in ``HEAD_BLOCK`` column blocks for the LM head (``head=True``)."""
+    ``model_runner.batched_matmul``, in ``HEAD_BLOCK`` column blocks for the LM head (``head=True``), with the
+    [k, n] weight column-major if the model keeps it so (``column_major``)."""
     rng = np.random.default_rng(0)
     A = rng.standard_normal((m, k), dtype=np.float32)
-    B = rng.standard_normal((k, n), dtype=np.float32)
+    B = np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C")
     block = model_runner.HEAD_BLOCK if head else None
     return median_time(lambda: model_runner.batched_matmul(A, B, block=block), repeats=repeats)
 
@@ -166,8 +168,12 @@ def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> d
     [B,E]x[E,3E], [B,E]x[E,E], [B,E]x[E,4E], [B,4E]x[4E,E]; the head [B,E]x[E,V]. Alone and repeated, the
     smaller weights stay in cache: in the real step they come from memory, which the bound does not charge."""
     E, V, L = model.config.n_embd, model.config.vocab_size, model.config.n_layer
-    shapes = [(E, 3 * E), (E, E), (E, 4 * E), (4 * E, E)]
-    per_layer = {f"{k}x{n}": matmul_seconds(batch, k, n, repeats=repeats) for k, n in shapes}
+    block = model.params["h"][0]
+    weights = [block["attn"]["c_attn"]["weight"], block["attn"]["c_proj"]["weight"],
+               block["mlp"]["c_fc"]["weight"], block["mlp"]["c_proj"]["weight"]]
+    shapes = [w.shape for w in weights]  # [E, 3E], [E, E], [E, 4E], [4E, E]
+    per_layer = {f"{k}x{n}": matmul_seconds(batch, k, n, repeats=repeats, column_major=np.isfortran(w))
+                 for (k, n), w in zip(shapes, weights)}  # each in the memory order the model keeps it
     head = matmul_seconds(batch, E, V, repeats=max(3, repeats // 2), head=True)
     seconds = L * sum(per_layer.values()) + head
     flops = 2 * batch * (L * sum(k * n for k, n in shapes) + E * V)

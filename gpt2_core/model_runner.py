@@ -51,7 +51,14 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     first find the weight (2-9 MB per matrix for GPT-2 small) in the L3 cache. ``x[:, None, :] @ weight`` is a
     stack of N [1, in] x [in, out] products, which NumPy hands to BLAS one GEMV at a time. A weight too big for
     the cache (the LM head) is walked in column blocks of ``block`` columns, each used by every row in turn.
+
+    A column-major weight (the output projections, ``weights.in_memory_order``) goes to the GEMM as
+    ``(W.T @ x.T).T``: the same product, with ``W.T`` a row-major [out, in] matrix on the left. This BLAS runs
+    that form 10-25% faster than ``x @ W`` with W column-major, and faster than row-major W (measured in
+    chapter 2's notebook).
     """
+    if len(x) > gemv_max_rows and np.isfortran(weight):
+        return (weight.T @ x.T).T  # [N, out]: one GEMM, the column-major weight passed as row-major W.T
     if not 1 < len(x) <= gemv_max_rows:
         return x @ weight  # [N, out]: one GEMM (or one GEMV for N == 1)
     y = np.empty((len(x), 1, weight.shape[1]), dtype=np.result_type(x, weight))  # [N, 1, out]

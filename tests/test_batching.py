@@ -74,15 +74,29 @@ def test_gelu_in_place_is_chapter_1_gelu_bit_for_bit():
     assert np.array_equal(h, gelu(x))
 
 
-def test_batched_linear_equals_chapter_1_linear_on_both_sides_of_the_gemv_threshold():
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_batched_linear_equals_chapter_1_linear_on_both_sides_of_the_gemv_threshold(order):
+    """Row-major weights and column-major ones (the output projections) give chapter 1's numbers for every N."""
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((48, 80), dtype=np.float32)
+    w = np.asarray(rng.standard_normal((48, 80), dtype=np.float32), order=order)
     b = rng.standard_normal(80, dtype=np.float32)
     for n in range(1, model_runner.GEMV_MAX_ROWS + 3):
         x = rng.standard_normal((n, 48), dtype=np.float32)
         y = batched_linear(x, w, b)
         assert y.shape == (n, 80) and y.dtype == np.float32
         np.testing.assert_allclose(y, linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_column_major_weight_goes_to_the_gemm_as_its_row_major_transpose():
+    """Past ``GEMV_MAX_ROWS`` rows, ``batched_matmul`` runs ``(W.T @ x.T).T`` for a column-major W (the form this
+    BLAS runs fastest): bit for bit that product, and the same numbers as ``x @ W`` up to the order of the sums."""
+    rng = np.random.default_rng(0)
+    w = np.asfortranarray(rng.standard_normal((96, 40), dtype=np.float32))
+    x = rng.standard_normal((model_runner.GEMV_MAX_ROWS + 5, 96), dtype=np.float32)
+    y = model_runner.batched_matmul(x, w)
+    assert np.array_equal(y, (w.T @ x.T).T)
+    np.testing.assert_allclose(y, x @ np.ascontiguousarray(w), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(model_runner.batched_matmul(x[:1], w), x[:1] @ w)  # one row: chapter 2's GEMV
 
 
 @pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
@@ -377,16 +391,20 @@ def test_small_batch_comparison_runs_both_paths(monkeypatch):
 def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
     from gpt2_core import bench_batching as bb
 
-    timed = []  # (rows, column block) of each product the bound times
+    timed = []  # (rows, column block, weight column-major?) of each product the bound times
     matmul = model_runner.batched_matmul
-    monkeypatch.setattr(model_runner, "batched_matmul",
-                        lambda x, w, block=None: (timed.append((len(x), block)), matmul(x, w, block=block))[1])
+    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, w, block=None: (
+        timed.append((len(x), block, np.isfortran(w))), matmul(x, w, block=block))[1])
     monkeypatch.setattr(bb, "median_time", lambda fn, repeats=5, warmup=1: (fn(), 1e-3)[1])
     bb.matmul_seconds(3, 8, 40, head=True)
     bb.matmul_seconds(3, 8, 40)
-    assert timed == [(3, model_runner.HEAD_BLOCK), (3, None)]  # the step's kernel: the head in column blocks
+    assert timed == [(3, model_runner.HEAD_BLOCK, False), (3, None, False)]  # the head in column blocks
+    timed.clear()
     bound = bb.gemm_bound_tokens_per_s(MODEL, batch=2, repeats=1)
     assert bound["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
+    # each layer matrix in the model's own memory order: c_attn, attn.c_proj, c_fc, mlp.c_proj; then the head
+    assert timed == [(2, None, False), (2, None, True), (2, None, False), (2, None, True),
+                     (2, model_runner.HEAD_BLOCK, False)]
 
 
 def record_calls(monkeypatch, module, names) -> list:

@@ -105,18 +105,20 @@ def test_generate_validates_like_chapter_1():
     assert not isinstance(CheckpointError("x"), InvalidInputError)
 
 
-def test_the_rejected_column_major_layout_computes_the_same_logits():
-    """``bench layout`` compares whole steps with column-major output projections: a copy with the same values that
-    leaves the model itself, and every other array, untouched."""
-    from gpt2_core.bench import column_major_projections
+def test_the_layouts_bench_layout_compares_compute_the_same_logits():
+    """``bench layout`` compares whole steps with the checkpoint's row-major output projections and the package's
+    column-major ones: copies with the same values that leave the model itself, and every other array, untouched."""
+    from gpt2_core.bench import projections_in_order
 
     model = tiny_model()
-    col = column_major_projections(model)
-    for b, c in zip(model.params["h"], col.params["h"]):
+    row, col = projections_in_order(model, "C"), projections_in_order(model, "F")
+    for b, r, c in zip(model.params["h"], row.params["h"], col.params["h"]):
         for module in ("attn", "mlp"):
-            assert c[module]["c_proj"]["weight"].flags.f_contiguous, module
-            assert b[module]["c_proj"]["weight"].flags.c_contiguous, module  # the original keeps its layout
-            np.testing.assert_array_equal(c[module]["c_proj"]["weight"], b[module]["c_proj"]["weight"])
-        assert c["attn"]["c_attn"]["weight"] is b["attn"]["c_attn"]["weight"]
+            assert r[module]["c_proj"]["weight"].flags.c_contiguous, module
+            assert np.isfortran(c[module]["c_proj"]["weight"]), module
+            assert np.isfortran(b[module]["c_proj"]["weight"]), module  # the original keeps its layout
+            np.testing.assert_array_equal(r[module]["c_proj"]["weight"], b[module]["c_proj"]["weight"])
+        assert r["attn"]["c_attn"]["weight"] is b["attn"]["c_attn"]["weight"]
     ids = [1, 2, 3, 4, 5]
+    np.testing.assert_allclose(gpt2_core.forward(row, ids), gpt2_core.forward(model, ids), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gpt2_core.forward(col, ids), gpt2_core.forward(model, ids), rtol=1e-5, atol=1e-5)
