@@ -16,7 +16,7 @@ import numpy as np
 
 from . import kv_cache
 from .generation import next_token_logits
-from .measure import QUICK, blas_threads, machine_info, median_time
+from .measure import QUICK, blas_threads, keep_freed_memory, machine_info, median_time
 from .weights import GPT2Model, random_model
 
 
@@ -288,6 +288,7 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
 
         raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
     quick = quick or QUICK
+    keep_freed_memory()  # every strategy timed with the same allocator settings (chapter 2, optimisation 4)
     with blas_threads(threads):
         kwargs = {"quick": quick}
         if trace is not None:

@@ -1,10 +1,14 @@
 """The measuring knobs: GPT2_QUICK shrinks benchmark sizes; nbgrader's NBGRADER_EXECUTION makes a graded run time
-everything once on a 2-layer model of GPT-2's width (grades never depend on timings)."""
+everything once on a 2-layer model of GPT-2's width (grades never depend on timings); and the allocator setting
+every benchmark runs with (``keep_freed_memory``)."""
 
 import json
 import os
+import platform
 import subprocess
 import sys
+
+import pytest
 
 from helpers import ROOT
 
@@ -40,3 +44,37 @@ def test_nbgrader_grading_times_once_on_a_shallow_gpt2():
     for value in ("autograde", "validate"):
         got = probe(NBGRADER_EXECUTION=value)
         assert got == {"grading": True, "quick": True, "calls": 1, "shape": [2, 768, 12, 50257, 1024]}
+
+
+TEMPORARIES = """
+import resource
+import numpy as np
+from gpt2_core import measure
+
+def faults_of_temporaries():
+    x = np.ones(2**20, dtype=np.float32)  # 4 MiB
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        a, b, c = x * 2, x * 3, x * 4  # three 4 MiB temporaries alive together, then freed
+        del a, b, c
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+
+faults_of_temporaries()
+before = faults_of_temporaries()
+recorded_before = measure.machine_info()["malloc_keeps_freed_memory"]
+kept = measure.keep_freed_memory()
+faults_of_temporaries()
+print(kept, before, faults_of_temporaries(), recorded_before, measure.machine_info()["malloc_keeps_freed_memory"])
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keeping_freed_memory_stops_the_page_faults_of_repeated_temporaries():
+    """In a fresh process (the setting is process-wide): with glibc's defaults, three 4 MiB temporaries made and
+    freed 20 times fault their pages in again and again; after ``keep_freed_memory()`` they reuse the heap."""
+    out = subprocess.run([sys.executable, "-c", TEMPORARIES], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.split()
+    kept, before, after = out[0] == "True", int(out[1]), int(out[2])
+    assert kept and out[3:] == ["False", "True"]  # and machine_info() records it
+    assert before > 20 * 1024, before  # at least one 4 MiB array's pages (1,024) per round, in the default
+    assert after < before / 100, (before, after)
