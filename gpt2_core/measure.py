@@ -67,7 +67,7 @@ def keep_freed_memory() -> bool:
     raised as such blocks are freed, to at most 32 MiB) from fresh pages, and returns the top of its heap to the OS
     once more than twice that threshold is free there. The next temporaries then start on fresh pages again, which
     the OS maps on first write, one 4 KiB page fault each. A 512-token prefill of GPT-2 small makes several arrays
-    of 6-13 MB per layer: on this project's machine every call faulted about 61,000 pages (240 MB) in.
+    of 6-13 MB per layer: on this project's machine every call faulted about 55,000 pages (220 MB) in.
 
     This sets glibc's ``M_MMAP_THRESHOLD`` to 32 MiB (blocks below it come from the heap) and turns off heap
     trimming (``M_TRIM_THRESHOLD`` = -1), for the whole process. The price: the heap stays at its peak size, as a

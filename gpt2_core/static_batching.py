@@ -9,6 +9,9 @@ every decode step appends one column for all rows. Two small arrays make the pad
 
 The batch runs until its longest row is done: a row that finishes early keeps its slot (it is fed a pad token and
 its output is thrown away) until the batch ends. That waste is what continuous batching removes.
+
+The matmuls run on the continuous engine's kernels (``model_runner.batched_linear`` and ``batched_lm_head``), so
+that comparing the two measures the scheduling, not the kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import numpy as np
 from .errors import InvalidInputError
 from .generation import check_generation
 from .kv_store import claimed_zeros
-from .model import gelu, layer_norm, linear, lm_head, softmax
+from .model import gelu, layer_norm, softmax
+from .model_runner import batched_linear, batched_lm_head
 from .sampling import Sampler, SamplingParams
 from .sequence import FinishReason, SequenceMetrics
 from .weights import GPT2Model
@@ -77,19 +81,19 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
     x = (params["wte"][ids] + params["wpe"][positions]).reshape(B * T, cfg.n_embd)  # [B*T, E]: 2-D for BLAS
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
-        qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [B*T, 3E]
+        qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [B*T, 3E]
         q, k, v = (a.reshape(B, T, H, D).transpose(0, 2, 1, 3) for a in np.split(qkv, 3, axis=-1))  # [B, H, T, D]
         cache.k[layer, :, :, start:end] = k
         cache.v[layer, :, :, start:end] = v
         K, V = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, H, S, D]
         scores = np.where(mask, (q @ K.transpose(0, 1, 3, 2)) * scale, np.float32(-np.inf))  # [B, H, T, S]
         out = (softmax(scores) @ V).transpose(0, 2, 1, 3).reshape(B * T, cfg.n_embd)  # [B*T, E]
-        x = x + linear(out, **p["attn"]["c_proj"])
-        h = gelu(linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
-        x = x + linear(h, **p["mlp"]["c_proj"])
+        x = x + batched_linear(out, **p["attn"]["c_proj"])
+        h = gelu(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
+        x = x + batched_linear(h, **p["mlp"]["c_proj"])
     cache.length = end
     last = x.reshape(B, T, cfg.n_embd)[:, -1]  # [B, E]
-    return lm_head(params, last, eps)  # [B, V]
+    return batched_lm_head(model, last)  # [B, V]
 
 
 @dataclass
