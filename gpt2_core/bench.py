@@ -16,7 +16,7 @@ import numpy as np
 
 from . import kv_cache
 from .generation import next_token_logits
-from .measure import QUICK, blas_threads, keep_freed_memory, machine_info, median_time
+from .measure import QUICK, blas_threads, machine_info, median_time
 from .weights import GPT2Model, random_model
 
 
@@ -207,9 +207,9 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
 
 
 def projections_in_order(model: GPT2Model, order: str) -> GPT2Model:
-    """A model sharing every array with ``model`` except the blocks' two output projections, copied into memory
-    ``order`` ("C": row-major, as the checkpoint stores them; "F": column-major, as the package keeps them). Same
-    shapes, same values."""
+    """A model sharing every array with ``model`` except the blocks' two output projections, which are in memory
+    ``order`` ("C": row-major, as the checkpoint stores them; "F": column-major, as the package keeps them; copied
+    only if not already so). Same shapes, same values."""
     blocks = []
     for b in model.params["h"]:
         block = dict(b)
@@ -288,7 +288,6 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
 
         raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
     quick = quick or QUICK
-    keep_freed_memory()  # every strategy timed with the same allocator settings (chapter 2, optimisation 4)
     with blas_threads(threads):
         kwargs = {"quick": quick}
         if trace is not None:

@@ -70,9 +70,11 @@ def keep_freed_memory() -> bool:
     of 6-13 MB per layer: on this project's machine every call faulted about 55,000 pages (220 MB) in.
 
     This sets glibc's ``M_MMAP_THRESHOLD`` to 32 MiB (blocks below it come from the heap) and turns off heap
-    trimming (``M_TRIM_THRESHOLD`` = -1), for the whole process. The price: the heap stays at its peak size, as a
-    server's would. The benchmark commands call this first, so every strategy they time (HF transformers too)
-    runs with the same allocator settings.
+    trimming (``M_TRIM_THRESHOLD`` = -1), for the whole process and for good (it overrides ``MALLOC_*_``
+    environment settings; under a preloaded allocator such as jemalloc it changes nothing that matters). The
+    price: the heap stays at its peak size, as a server's would. The benchmark commands (``python -m gpt2_core
+    bench``) call this first, so every strategy they time, HF transformers too, runs with the same allocator;
+    library functions never call it.
     """
     import ctypes
     import platform
@@ -85,7 +87,9 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's <malloc.h>
     global _freed_memory_kept
-    _freed_memory_kept = mallopt(m_mmap_threshold, 32 * 2**20) == 1 and mallopt(m_trim_threshold, -1) == 1
+    mmap_set = mallopt(m_mmap_threshold, 32 * 2**20) == 1  # 0 where 32 MiB is past the limit (32-bit glibc)
+    trim_set = mallopt(m_trim_threshold, -1) == 1
+    _freed_memory_kept = mmap_set and trim_set
     return _freed_memory_kept
 
 

@@ -95,6 +95,7 @@ def test_a_column_major_weight_goes_to_the_gemm_as_its_row_major_transpose():
     x = rng.standard_normal((model_runner.GEMV_MAX_ROWS + 5, 96), dtype=np.float32)
     y = model_runner.batched_matmul(x, w)
     assert np.array_equal(y, (w.T @ x.T).T)
+    assert np.isfortran(y)  # the transpose of a row-major [out, N] product: that form ran (x @ W gives row-major)
     np.testing.assert_allclose(y, x @ np.ascontiguousarray(w), rtol=1e-5, atol=1e-5)
     assert np.array_equal(model_runner.batched_matmul(x[:1], w), x[:1] @ w)  # one row: chapter 2's GEMV
 

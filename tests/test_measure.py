@@ -68,7 +68,7 @@ print(kept, before, faults_of_temporaries(), recorded_before, measure.machine_in
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or sys.maxsize < 2**32, reason="mallopt is 64-bit glibc's")
 def test_keeping_freed_memory_stops_the_page_faults_of_repeated_temporaries():
     """In a fresh process (the setting is process-wide): with glibc's defaults, three 4 MiB temporaries made and
     freed 20 times fault their pages in again and again; after ``keep_freed_memory()`` they reuse the heap."""
@@ -76,5 +76,5 @@ def test_keeping_freed_memory_stops_the_page_faults_of_repeated_temporaries():
                          check=True).stdout.split()
     kept, before, after = out[0] == "True", int(out[1]), int(out[2])
     assert kept and out[3:] == ["False", "True"]  # and machine_info() records it
-    assert before > 20 * 1024, before  # at least one 4 MiB array's pages (1,024) per round, in the default
+    assert before >= 100, before  # 30,000 here (4 KiB pages); fewer, but still many, with huge pages
     assert after < before / 100, (before, after)

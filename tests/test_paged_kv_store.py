@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import run_counted_state_machine, tiny_model
+from helpers import ROOT, run_counted_state_machine, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -71,8 +71,8 @@ def test_a_store_takes_its_memory_when_built_not_on_first_use(kind):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", STORE_IN_A_FRESH_PROCESS, kind], capture_output=True, text=True,
-                         check=True).stdout.split()
+    out = subprocess.run([sys.executable, "-c", STORE_IN_A_FRESH_PROCESS, kind], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.split()
     nbytes, grown, nonzero = int(out[0]), int(out[1]), out[2] == "True"
     assert nbytes == 64 * 2**20
     assert grown >= 0.9 * nbytes, f"built a {nbytes:,}-byte store, resident memory grew {grown:,} bytes"
