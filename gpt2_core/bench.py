@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from . import kv_cache
+from .config import GPT2Config
 from .generation import next_token_logits
 from .measure import QUICK, blas_threads, machine_info, median_time
 from .weights import GPT2Model, random_model
@@ -220,16 +221,26 @@ def projections_in_order(model: GPT2Model, order: str) -> GPT2Model:
     return GPT2Model(model.config, {**model.params, "h": blocks}, model.tokenizer, model.source)
 
 
-def bench_layout(quick: bool = QUICK, context: int = 128) -> dict:
+def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Config = "gpt2") -> dict:
     """Whole decode steps with the checkpoint's row-major output projections vs the package's column-major ones,
     side by side (each round times both): chapter 2's ``decode_step`` at batch 1, chapter 3's ragged step for
-    larger batches."""
+    larger batches; and chapter 2's ``prefill`` of prompts of several lengths, which runs chapter 1's ``x @ W``.
+    ``shape``: the model's preset or config (GPT-2 124M; tests pass a small one)."""
     from .bench_batching import decode_step_runner
 
-    base = random_model("gpt2", seed=0)
+    base = random_model(shape, seed=0)
     models = {"row_major": projections_in_order(base, "C"),
               "column_major_projections": projections_in_order(base, "F")}
     rounds = 5 if quick else 15
+
+    def side_by_side(runs: dict) -> dict:  # name -> function -> name -> [seconds per round]
+        times = {name: [] for name in runs}
+        for run in runs.values():
+            run()  # warm-up
+        for r in range(rounds):  # both layouts in every round, in alternating order
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                times[name].append(median_time(runs[name], repeats=1, warmup=0))
+        return times
 
     def batch_one(model):
         _, cache = kv_cache.prefill(model, np.arange(context), capacity=context + 1, last_only=True)
@@ -239,24 +250,29 @@ def bench_layout(quick: bool = QUICK, context: int = 128) -> dict:
             cache.length = context  # the same position every time
         return step
 
+    def speed_ratio(times) -> float:  # column-major speed over row-major, from the medians
+        return float(np.median(times["row_major"])) / float(np.median(times["column_major_projections"]))
+
     results, ratios = [], {}
     for batch in ([1, 4, 32] if quick else [1, 2, 4, 8, 16, 32]):
-        steps = {name: batch_one(m) if batch == 1 else decode_step_runner(m, batch, context)
-                 for name, m in models.items()}
-        times = {name: [] for name in steps}
-        for step in steps.values():
-            step()  # warm-up
-        for r in range(rounds):  # both layouts in every round, in alternating order
-            for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
-                times[name].append(median_time(steps[name], repeats=1, warmup=0))
+        times = side_by_side({name: batch_one(m) if batch == 1 else decode_step_runner(m, batch, context)
+                              for name, m in models.items()})
         for name, t in times.items():
             seconds = float(np.median(t))
             results.append({"method": name, "batch": batch, "context": context, "seconds_per_step": seconds,
                             "tokens_per_s": batch / seconds})
-        ratios[f"column_major_speed_over_row_major_batch_{batch}"] = (
-            float(np.median(times["row_major"])) / float(np.median(times["column_major_projections"])))
-    return {"benchmark": "layout", "model": "random GPT-2 124M shape, float32", "quick": quick,
-            "results": results, "ratios": ratios}
+        ratios[f"column_major_speed_over_row_major_batch_{batch}"] = speed_ratio(times)
+    for prompt_len in ([16, 64] if quick else [16, 64, 256, 512]):
+        ids = np.arange(prompt_len) % base.config.vocab_size
+        times = side_by_side({name: (lambda m=m: kv_cache.prefill(m, ids, last_only=True))
+                              for name, m in models.items()})
+        for name, t in times.items():
+            seconds = float(np.median(t))
+            results.append({"method": name, "phase": "prefill", "batch": 1, "prompt_len": prompt_len,
+                            "seconds": seconds, "tokens_per_s": prompt_len / seconds})
+        ratios[f"column_major_speed_over_row_major_prefill_{prompt_len}"] = speed_ratio(times)
+    model_name = "random GPT-2 124M shape, float32" if shape == "gpt2" else f"random {shape} shape, float32"
+    return {"benchmark": "layout", "model": model_name, "quick": quick, "results": results, "ratios": ratios}
 
 
 def _current_blas_threads() -> int:

@@ -55,7 +55,8 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     A column-major weight (the output projections, ``weights.in_memory_order``) goes to the GEMM as
     ``(W.T @ x.T).T``: the same product, with ``W.T`` a row-major [out, in] matrix on the left. For 8 rows this
     BLAS ran that form 1.3-2.1x as fast as ``x @ W`` with W column-major, and 0.85-1.3x as fast as with W
-    row-major (chapter 2's notebook, optimisation 3); whole steps with it beat row-major at every batch size.
+    row-major (chapter 2's notebook, optimisation 3); whole steps of 8-32 sequences ran at 0.95-1.05x the
+    speed of row-major weights (``bench layout``, three runs), and of 1-4 sequences at 1.0-1.2x.
     """
     if len(x) > gemv_max_rows and np.isfortran(weight):
         return (weight.T @ x.T).T  # [N, out]: one GEMM, the column-major weight passed as row-major W.T

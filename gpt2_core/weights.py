@@ -15,7 +15,8 @@ One layout choice is ours, not the file's: the two output projections (``attn.c_
 *column-major* in memory. Same [in, out] shape, same values, ``x @ W`` unchanged; only the order of the numbers in
 memory differs, and with it the speed of BLAS (measured in chapter 2, optimisation 3). Decoding gains; chapter 1's
 ``linear`` still computes ``x @ W`` for a prompt of many rows, which on these two matrices is the slower GEMM
-form for a few rows (0.7x at 8) and about even at hundreds (chapter 3's ``batched_matmul`` uses the fast form).
+form: a whole prefill ran at 0.87-0.97x for 16 tokens and about even at 512 (chapter 3's ``batched_matmul``
+uses the fast form).
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def in_memory_order(key: str, a: np.ndarray) -> np.ndarray:
 
     For one token, ``x @ W`` is a matrix-vector product. With ``mlp.c_proj`` [3072, 768] row-major, each of BLAS's
     two threads reads a short piece of every row (384 floats, then a jump); column-major, each reads one contiguous
-    block: a whole batch-1 decode step ran 1.09x as fast on this project's machine (``bench layout``). For many rows,
+    block: a whole batch-1 decode step ran 1.01-1.18x as fast on this project's machine (``bench layout``, three
+    runs). For many rows,
     ``model_runner.batched_matmul`` hands such a weight to BLAS as ``(W.T @ x.T).T``, the form its matrix-matrix
     kernels run fastest.
     """

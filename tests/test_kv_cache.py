@@ -122,3 +122,20 @@ def test_the_layouts_bench_layout_compares_compute_the_same_logits():
     ids = [1, 2, 3, 4, 5]
     np.testing.assert_allclose(gpt2_core.forward(row, ids), gpt2_core.forward(model, ids), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gpt2_core.forward(col, ids), gpt2_core.forward(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_bench_layout_times_decode_steps_and_prefills_both_ways():
+    """Each record names its layout; decode steps per batch size, prefills per prompt length, and one ratio each."""
+    from gpt2_core import GPT2Config
+    from gpt2_core.bench import bench_layout
+
+    config = GPT2Config(vocab_size=50, n_positions=128, n_embd=32, n_head=2, n_layer=2)
+    out = bench_layout(quick=True, context=8, shape=config)
+    steps = [(r["method"], r["batch"]) for r in out["results"] if "phase" not in r]
+    prefills = [(r["method"], r["prompt_len"]) for r in out["results"] if r.get("phase") == "prefill"]
+    layouts = ["row_major", "column_major_projections"]
+    assert steps == [(m, b) for b in (1, 4, 32) for m in layouts]
+    assert prefills == [(m, n) for n in (16, 64) for m in layouts]
+    assert set(out["ratios"]) == {f"column_major_speed_over_row_major_{k}"
+                                  for k in ("batch_1", "batch_4", "batch_32", "prefill_16", "prefill_64")}
+    assert all(r["tokens_per_s"] > 0 for r in out["results"]) and all(v > 0 for v in out["ratios"].values())
