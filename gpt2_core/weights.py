@@ -125,9 +125,8 @@ def in_memory_order(key: str, a: np.ndarray) -> np.ndarray:
     For one token, ``x @ W`` is a matrix-vector product. With ``mlp.c_proj`` [3072, 768] row-major, each of BLAS's
     two threads reads a short piece of every row (384 floats, then a jump); column-major, each reads one contiguous
     block: a whole batch-1 decode step ran 1.01-1.18x as fast on this project's machine (``bench layout``, three
-    runs). For many rows,
-    ``model_runner.batched_matmul`` hands such a weight to BLAS as ``(W.T @ x.T).T``, the form its matrix-matrix
-    kernels run fastest.
+    runs). For many rows, ``model_runner.batched_matmul`` hands such a weight to BLAS as ``(W.T @ x.T).T``, the
+    form its matrix-matrix kernels run fastest.
     """
     if key.endswith(COLUMN_MAJOR):
         return np.asfortranarray(a, dtype=np.float32)

@@ -11,6 +11,8 @@
 """
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -68,9 +70,6 @@ print(store.nbytes, resident_bytes() - before, any(a.any() for a in arrays))
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_a_store_takes_its_memory_when_built_not_on_first_use(kind):
     """Built in a fresh process: in this one, memory freed by earlier tests may be reused without growing it."""
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", STORE_IN_A_FRESH_PROCESS, kind], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.split()
     nbytes, grown, nonzero = int(out[0]), int(out[1]), out[2] == "True"
