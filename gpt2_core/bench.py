@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -67,18 +68,55 @@ def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, betwee
     return times
 
 
+def decode_gemvs(model: GPT2Model) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One decode step's matrix-vector products as (input row, weight) pairs: every block's four weights, then the
+    head, in the order and memory layout ``decode_step`` reads them (inputs are random: timing does not depend on
+    the values)."""
+    c = model.config
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, c.n_embd), dtype=np.float32)  # [1, E]
+    h = rng.standard_normal((1, 4 * c.n_embd), dtype=np.float32)  # [1, 4E]
+    inputs = ((x, "attn", "c_attn"), (x, "attn", "c_proj"), (x, "mlp", "c_fc"), (h, "mlp", "c_proj"))
+    gemvs = [(v, b[module][name]["weight"]) for b in model.params["h"] for v, module, name in inputs]
+    return gemvs + [(x, model.lm_head_weight())]  # the head [E, V], as decode_step reads it
+
+
+def gemv_chain_seconds(model: GPT2Model, repeats: int = 3) -> float:
+    """Seconds of one decode step's matrix-vector products (``decode_gemvs``) back to back, and nothing else.
+
+    The bandwidth bound streams one 154 MB matrix in a single call. A step makes 49 calls on matrices of 2-9 MB,
+    and each call starts afresh (BLAS hands half of it to its second thread, the memory streams ramp up): the
+    chain shows what that costs before anything else a step does (attention, layer norms, GELU, Python)."""
+    gemvs = decode_gemvs(model)
+
+    def chain():
+        for v, w in gemvs:
+            v @ w
+    return median_time(chain, repeats=repeats)
+
+
+class DecodeBeside(NamedTuple):
+    """One moment's batch-1 decode speed and the two ceilings it is compared with, in tokens/s."""
+
+    decode: float  # median decode step of the pair
+    bound: float  # GEMV bytes/s (one LM-head-shaped product) / weight bytes per token
+    chain: float  # the step's own GEMVs alone (``gemv_chain_seconds``)
+
+
 def decode_beside_bandwidth(model: GPT2Model, pairs: int = 15, steps: int = 24,
-                            prompt_len: int = 16) -> list[tuple[float, float]]:
+                            prompt_len: int = 16) -> list[DecodeBeside]:
     """Batch-1 decode and the bandwidth bound, measured side by side: ``pairs`` times, ``steps`` decode steps (one
-    generation running on, positions ``prompt_len ..``) then the GEMV bandwidth. Two shared cores drift in speed
-    by tens of percent within a minute; a pair shares one moment, so its ratio is fair. -> [(decode tok/s, bound
-    tok/s)] per pair (median step of the pair; bound = GEMV bytes/s / weight bytes per token)."""
-    bandwidths: list[float] = []
-    times = decode_step_times(model, prompt_len, pairs * steps,
-                              between=(steps, lambda: bandwidths.append(gemv_bandwidth(repeats=3))))
+    generation running on, positions ``prompt_len ..``) then the GEMV bandwidth and the GEMV chain. Two shared
+    cores drift in speed by tens of percent within a minute; a pair shares one moment, so its ratio is fair.
+    -> one ``DecodeBeside`` per pair."""
+    ceilings: list[tuple[float, float]] = []
     weight_bytes = weight_bytes_per_token(model)
-    return [(1 / float(np.median(times[i * steps:(i + 1) * steps])), bw / weight_bytes)
-            for i, bw in enumerate(bandwidths)]
+
+    def measure():
+        ceilings.append((gemv_bandwidth(repeats=3) / weight_bytes, 1 / gemv_chain_seconds(model)))
+    times = decode_step_times(model, prompt_len, pairs * steps, between=(steps, measure))
+    return [DecodeBeside(1 / float(np.median(times[i * steps:(i + 1) * steps])), bound, chain)
+            for i, (bound, chain) in enumerate(ceilings)]
 
 
 def hf_reference_model(model: GPT2Model, threads: int):
@@ -182,12 +220,15 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     if hf_tps is not None:
         results.append({"method": "hf_transformers", "batch": 1, "position": "all", "prompt_len": prompt_len,
                         "new_tokens": new_tokens, "tokens_per_s": hf_tps, "threads": threads})
-    pairs = decode_beside_bandwidth(model, pairs=5 if quick else 15)  # decode and bound, side by side
-    bound_tps = float(np.median([bound for _, bound in pairs]))
+    pairs = decode_beside_bandwidth(model, pairs=5 if quick else 15)  # decode and ceilings, side by side
+    bound_tps = float(np.median([p.bound for p in pairs]))
     results.append({"method": "bandwidth_bound", "batch": 1, "tokens_per_s": bound_tps,
                     "gemv_bytes_per_s": bound_tps * weight_bytes_per_token(model),
                     "weight_bytes_per_token": weight_bytes_per_token(model),
-                    "pairs": [{"kv_cache_tokens_per_s": d, "bound_tokens_per_s": b} for d, b in pairs]})
+                    "pairs": [{"kv_cache_tokens_per_s": p.decode, "bound_tokens_per_s": p.bound,
+                               "gemv_chain_tokens_per_s": p.chain} for p in pairs]})
+    results.append({"method": "gemv_chain", "batch": 1, "tokens_per_s": float(np.median([p.chain for p in pairs])),
+                    "note": "one decode step's 49 GEMVs back to back, nothing else; measured in the pairs above"})
     prefill_len = 128 if quick else 512
     prompt = rng.integers(0, model.config.vocab_size, size=prefill_len)
     t_prefill = median_time(lambda: kv_cache.prefill(model, prompt, last_only=True), repeats=repeats)
@@ -197,7 +238,9 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     ratios = {
         "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],
         "kv_cache_over_hf": None if hf_tps is None else decode_tps / hf_tps,
-        "kv_cache_fraction_of_bandwidth_bound": float(np.median([d / b for d, b in pairs])),  # median pair
+        "kv_cache_fraction_of_bandwidth_bound": float(np.median([p.decode / p.bound for p in pairs])),  # median pair
+        "gemv_chain_fraction_of_bandwidth_bound": float(np.median([p.chain / p.bound for p in pairs])),
+        "kv_cache_fraction_of_gemv_chain": float(np.median([p.decode / p.chain for p in pairs])),
     }
     return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
             "results": results, "ratios": ratios, "profile_ms_per_step": profile}

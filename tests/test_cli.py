@@ -57,10 +57,16 @@ def test_bench_writes_json_with_the_documented_shape(tmp_path):
         assert rec["tokens_per_s"] > 0 and rec["batch"] == 1
     # the fraction of the bound is the median of decode and bound measured side by side, pair by pair
     pairs = next(r for r in data["results"] if r["method"] == "bandwidth_bound")["pairs"]
-    assert len(pairs) >= 3 and all(p["kv_cache_tokens_per_s"] > 0 and p["bound_tokens_per_s"] > 0 for p in pairs)
-    fraction = data["ratios"]["kv_cache_fraction_of_bandwidth_bound"]
-    assert fraction == pytest.approx(statistics.median(p["kv_cache_tokens_per_s"] / p["bound_tokens_per_s"]
-                                                       for p in pairs))
+    assert len(pairs) >= 3 and all(p["kv_cache_tokens_per_s"] > 0 and p["bound_tokens_per_s"] > 0 and
+                                   p["gemv_chain_tokens_per_s"] > 0 for p in pairs)
+    ratios = data["ratios"]
+    for name, num, den in (("kv_cache_fraction_of_bandwidth_bound", "kv_cache", "bound"),
+                           ("gemv_chain_fraction_of_bandwidth_bound", "gemv_chain", "bound"),
+                           ("kv_cache_fraction_of_gemv_chain", "kv_cache", "gemv_chain")):
+        assert ratios[name] == pytest.approx(statistics.median(p[f"{num}_tokens_per_s"] / p[f"{den}_tokens_per_s"]
+                                                               for p in pairs)), name
+    chain = next(r for r in data["results"] if r["method"] == "gemv_chain")
+    assert chain["tokens_per_s"] == pytest.approx(statistics.median(p["gemv_chain_tokens_per_s"] for p in pairs))
     assert data["machine"]["numpy"] and "blas" in data["machine"]
     import platform  # every benchmark runs with the allocator keeping freed memory, where it can (glibc)
     assert data["machine"]["malloc_keeps_freed_memory"] is (platform.libc_ver()[0] == "glibc" and sys.maxsize > 2**32)

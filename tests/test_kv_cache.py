@@ -139,3 +139,21 @@ def test_bench_layout_times_decode_steps_and_prefills_both_ways():
     assert set(out["ratios"]) == {f"column_major_speed_over_row_major_{k}"
                                   for k in ("batch_1", "batch_4", "batch_32", "prefill_16", "prefill_64")}
     assert all(r["tokens_per_s"] > 0 for r in out["results"]) and all(v > 0 for v in out["ratios"].values())
+
+
+def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
+    """The chain is the step's matrix products alone: its weights are all of a step's weight bytes but the biases
+    and layer-norm vectors, each matrix once, each in the memory order the step reads it."""
+    from gpt2_core.bench import decode_gemvs, gemv_chain_seconds, weight_bytes_per_token
+
+    model = tiny_model()
+    gemvs = decode_gemvs(model)
+    c = model.config
+    assert len(gemvs) == 4 * c.n_layer + 1 and len({id(w) for _, w in gemvs}) == len(gemvs)
+    vectors = sum(a.nbytes for a in model.state_dict().values() if a.ndim == 1)
+    assert sum(w.nbytes for _, w in gemvs) == weight_bytes_per_token(model) - vectors
+    first = model.params["h"][0]
+    assert gemvs[1][1] is first["attn"]["c_proj"]["weight"] and np.isfortran(gemvs[3][1])  # the package's order
+    assert gemvs[-1][1] is model.lm_head_weight()
+    assert all(v.shape == (1, w.shape[0]) for v, w in gemvs)
+    assert gemv_chain_seconds(model, repeats=1) > 0
