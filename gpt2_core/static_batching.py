@@ -10,8 +10,8 @@ every decode step appends one column for all rows. Two small arrays make the pad
 The batch runs until its longest row is done: a row that finishes early keeps its slot (it is fed a pad token and
 its output is thrown away) until the batch ends. That waste is what continuous batching removes.
 
-The matmuls run on the continuous engine's kernels (``model_runner.batched_linear`` and ``batched_lm_head``), so
-that comparing the two measures the scheduling, not the kernels.
+The matmuls and GELU run on the continuous engine's kernels (``model_runner.batched_linear``, ``batched_lm_head``
+and ``gelu_``), so that comparing the two measures the scheduling, not the kernels.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import CacheCapacityError, InvalidInputError
 from .generation import check_generation
 from .kv_store import claimed_zeros
-from .model import gelu, layer_norm, softmax
-from .model_runner import batched_linear, batched_lm_head
+from .model import layer_norm, softmax
+from .model_runner import batched_linear, batched_lm_head, gelu_
 from .sampling import Sampler, SamplingParams
 from .sequence import FinishReason, SequenceMetrics
 from .weights import GPT2Model
@@ -70,6 +70,13 @@ class StaticBatchCache:
     length: int = 0  # columns filled (pads included)
 
 
+# The attention scores of a prefill are [B, H, T, S]: for 27 prompts padded to 256 tokens, 85 MB per array, and
+# softmax makes several. Arrays that large come fresh from the operating system every time, page fault by page
+# fault (chapter 2, optimisation 4). Computed a few rows at a time, the scores stay under this size and reuse
+# memory; a decode step's [B, H, 1, S] scores fit in one chunk.
+SCORES_BYTES = 8 << 20
+
+
 def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key_mask: np.ndarray,
                    cache: StaticBatchCache) -> np.ndarray:
     """Feed ids [B, T] at columns ``cache.length ..``; ``key_mask`` [B, cache.length + T]. -> last logits [B, V]."""
@@ -78,6 +85,7 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
     H, D, eps = cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
     start, end = cache.length, cache.length + T
     mask = left_padding_attention_mask(key_mask, T)  # [B, 1, T, S]
+    rows = max(1, SCORES_BYTES // (H * T * end * 4))  # batch rows per attention chunk (all of them when decoding)
     x = (params["wte"][ids] + params["wpe"][positions]).reshape(B * T, cfg.n_embd)  # [B*T, E]: 2-D for BLAS
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
@@ -86,11 +94,15 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
         cache.k[layer, :, :, start:end] = k
         cache.v[layer, :, :, start:end] = v
         K, V = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, H, S, D]
-        scores = np.where(mask, (q @ K.transpose(0, 1, 3, 2)) * scale, np.float32(-np.inf))  # [B, H, T, S]
-        out = (softmax(scores) @ V).transpose(0, 2, 1, 3).reshape(B * T, cfg.n_embd)  # [B*T, E]
-        x = x + batched_linear(out, **p["attn"]["c_proj"])
-        h = gelu(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
-        x = x + batched_linear(h, **p["mlp"]["c_proj"])
+        out = np.empty((B, H, T, D), dtype=x.dtype)  # [B, H, T, D]
+        for r in range(0, B, rows):  # a few rows at a time: see SCORES_BYTES
+            b = slice(r, r + rows)
+            scores = np.where(mask[b], (q[b] @ K[b].transpose(0, 1, 3, 2)) * scale, np.float32(-np.inf))  # [b, H, T, S]
+            out[b] = softmax(scores) @ V[b]  # [b, H, T, D]
+        out = out.transpose(0, 2, 1, 3).reshape(B * T, cfg.n_embd)  # [B*T, E]
+        x += batched_linear(out, **p["attn"]["c_proj"])  # [B*T, E] residual
+        h = gelu_(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
+        x += batched_linear(h, **p["mlp"]["c_proj"])
     cache.length = end
     last = x.reshape(B, T, cfg.n_embd)[:, -1]  # [B, E]
     return batched_lm_head(model, last)  # [B, V]
@@ -111,11 +123,21 @@ class StaticBatchOutput:
         return sum(self.active_rows) / (self.batch_size * max(1, len(self.active_rows)))
 
 
+def static_kv_buffer(config, batch_size: int, columns: int, dtype=np.float32) -> np.ndarray:
+    """K and V for static batches of up to ``batch_size`` rows and ``columns`` columns, [2, L, B, H, C, D], taken
+    once. A server keeps its KV memory for its whole life, as the continuous engine's store does; each batch then
+    works in a corner of it instead of asking the operating system for fresh memory (on this project's machine,
+    the first 850 MB taken took 7 s of page faults)."""
+    shape = (2, config.n_layer, batch_size, config.n_head, columns, config.head_dim)
+    return claimed_zeros(shape, dtype, f"static batching's KV cache of {batch_size} rows x {columns} columns")
+
+
 def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=None, stop_at_eos: bool = True,
-                    pad_id: int = 0, clock=time.perf_counter) -> StaticBatchOutput:
+                    pad_id: int = 0, clock=time.perf_counter, kv_buffer: np.ndarray | None = None) -> StaticBatchOutput:
     """Generate for a batch of prompts at once; each row's tokens equal running it alone with chapter 2.
 
-    ``max_new_tokens`` and ``sampling_params`` are one value for all rows or one per row.
+    ``max_new_tokens`` and ``sampling_params`` are one value for all rows or one per row. ``kv_buffer``
+    (``static_kv_buffer``) is where the batch keeps its K/V; without one, the batch takes its own when it starts.
     """
     B = len(prompts)
     if B == 0:
@@ -132,9 +154,17 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     out = StaticBatchOutput([[] for _ in range(B)], [FinishReason.LENGTH] * B, batch_size=B, padded_prompt_len=T)
     if steps == 0:
         return out
-    shape = (cfg.n_layer, B, cfg.n_head, T + steps, cfg.head_dim)  # columns, not positions: may exceed n_ctx
-    kv = claimed_zeros((2, *shape), np.float32, f"a static batch's KV cache of {B} rows x {T + steps} columns")
-    cache = StaticBatchCache(kv[0], kv[1])  # taken when the batch starts, like the engine's store
+    columns = T + steps  # columns, not positions: may exceed n_ctx
+    if kv_buffer is None:
+        shape = (2, cfg.n_layer, B, cfg.n_head, columns, cfg.head_dim)
+        kv = claimed_zeros(shape, np.float32, f"a static batch's KV cache of {B} rows x {columns} columns")
+    elif kv_buffer.shape[2] < B or kv_buffer.shape[4] < columns:
+        raise CacheCapacityError(f"a batch of {B} rows x {columns} columns (longest prompt {T} + {steps} new "
+                                 f"tokens) does not fit kv_buffer of {kv_buffer.shape[2]} rows x "
+                                 f"{kv_buffer.shape[4]} columns")
+    else:
+        kv = kv_buffer[:, :, :B, :, :columns]  # a view; columns are written before they are read
+    cache = StaticBatchCache(kv[0], kv[1])
     logits = static_forward(model, ids, position_ids(key_mask), key_mask, cache)  # prefill: [B, V]
     done = [m == 0 for m in budgets]
     eos = cfg.eos_token_id if stop_at_eos else None
@@ -186,17 +216,21 @@ def arrival_batches(requests, batch_size: int, clock: str = "wall", t0: float | 
 
 def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str = "wall", pad_id: int = 0):
     """Serve ``requests`` (``sequence.Request``) with static batches: take up to ``batch_size`` arrived requests,
-    run the batch to its end, repeat. Returns (RequestOutput list in arrival order, list of batch records).
+    run the batch to its end, repeat. Returns (RequestOutput list in arrival order, list of batch records). The KV
+    memory for the largest possible batch is taken once, before the clock starts, as the engine takes its store.
 
     ``clock="wall"`` honours ``arrival_s``; ``clock="offline"`` treats every request as arrived at the start.
     """
     from .engine import RequestOutput
 
+    columns = max(len(r.prompt_token_ids) for r in requests) + max(r.max_new_tokens for r in requests)
+    kv_buffer = static_kv_buffer(model.config, min(batch_size, len(requests)), columns)  # before the clock starts
     t0, results, batches = time.perf_counter(), [], []
     for batch in arrival_batches(requests, batch_size, clock, t0):
         start = time.perf_counter()
         out = static_generate(model, [r.prompt_token_ids for r in batch], [r.max_new_tokens for r in batch],
-                              [r.sampling_params for r in batch], stop_at_eos=batch[0].stop_at_eos, pad_id=pad_id)
+                              [r.sampling_params for r in batch], stop_at_eos=batch[0].stop_at_eos, pad_id=pad_id,
+                              kv_buffer=kv_buffer)
         batches.append({"start_time": start, "step_times": out.step_times, "active_rows": out.active_rows,
                         "batch_size": len(batch), "padded_prompt_len": out.padded_prompt_len,
                         "request_ids": [r.request_id for r in batch]})

@@ -10,7 +10,7 @@ from helpers import TINY, reference_dirs, tiny_model
 import gpt2_core
 from gpt2_core import kv_cache
 from gpt2_core.engine import LLMEngine, RequestOutput, replay
-from gpt2_core.errors import InvalidInputError
+from gpt2_core.errors import CacheCapacityError, InvalidInputError
 from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core import model_runner
 from gpt2_core.model import gelu, linear
@@ -288,6 +288,40 @@ def test_static_batching_greedy_rows_equal_chapter_2(name, model):
         assert tokens == alone(model, r)
     assert len(out.active_rows) == max(r.max_new_tokens for r in requests)  # runs as long as the longest row
     assert out.active_rows[0] == 6 and out.slot_utilisation < 1
+
+
+def test_static_batches_reuse_one_kv_buffer_without_reading_what_an_earlier_batch_left():
+    """A buffer taken once serves batches of any size up to its own; the columns a batch reads are the ones it wrote,
+    so a buffer full of another batch's numbers (here NaN) gives the same tokens as a fresh one."""
+    from gpt2_core.static_batching import static_kv_buffer
+
+    requests = random_requests(MODEL, 5, seed=11)
+    prompts, budgets = [r.prompt_token_ids for r in requests], [r.max_new_tokens for r in requests]
+    columns = max(map(len, prompts)) + max(budgets)
+    buffer = static_kv_buffer(MODEL.config, 8, columns)
+    assert buffer.shape == (2, MODEL.config.n_layer, 8, MODEL.config.n_head, columns, MODEL.config.head_dim)
+    fresh = static_generate(MODEL, prompts, budgets, stop_at_eos=False)
+    buffer.fill(np.nan)
+    for rows in (5, 3):  # a smaller batch after a larger one, in the same buffer
+        out = static_generate(MODEL, prompts[:rows], budgets[:rows], stop_at_eos=False, kv_buffer=buffer)
+        assert out.output_token_ids == fresh.output_token_ids[:rows] != []
+    with pytest.raises(CacheCapacityError, match=r"5 rows x \d+ columns .* does not fit kv_buffer of 8 rows x 3 col"):
+        static_generate(MODEL, prompts, budgets, stop_at_eos=False, kv_buffer=buffer[:, :, :, :, :3])
+
+
+def test_replay_static_takes_its_kv_memory_once_before_its_clock(monkeypatch):
+    from gpt2_core import static_batching
+
+    taken = []
+    real = static_batching.claimed_zeros
+    monkeypatch.setattr(static_batching, "claimed_zeros", lambda *a, **k: taken.append(a[0]) or real(*a, **k))
+    requests = random_requests(MODEL, 6, seed=10)
+    outs, batches = static_batching.replay_static(MODEL, requests, batch_size=4, clock="offline")
+    assert [b["batch_size"] for b in batches] == [4, 2] and len(taken) == 1  # one buffer for both batches
+    columns = max(len(r.prompt_token_ids) for r in requests) + max(r.max_new_tokens for r in requests)
+    assert taken[0][2] == 4 and taken[0][4] == columns
+    for o, r in zip(outs, requests):
+        assert o.output_token_ids == alone(MODEL, r)
 
 
 def test_static_batching_seeded_sampling_matches_chapter_2():
