@@ -85,8 +85,9 @@ def gemv_chain_seconds(model: GPT2Model, repeats: int = 3) -> float:
     """Seconds of one decode step's matrix-vector products (``decode_gemvs``) back to back, and nothing else.
 
     The bandwidth bound streams one 154 MB matrix in a single call. A step makes 49 calls on matrices of 2-9 MB,
-    and each call starts afresh (BLAS hands half of it to its second thread, the memory streams ramp up): the
-    chain shows what that costs before anything else a step does (attention, layer norms, GELU, Python)."""
+    and each call starts afresh (most likely, BLAS's hand-off of half the call to its second thread and the memory
+    streams ramping up again cost a little every time): the chain shows what the calls cost before anything else a
+    step does (attention, layer norms, GELU, Python)."""
     gemvs = decode_gemvs(model)
 
     def chain():

@@ -71,9 +71,10 @@ class StaticBatchCache:
 
 
 # The attention scores of a prefill are [B, H, T, S]: for 27 prompts padded to 256 tokens, 85 MB per array, and
-# softmax makes several. Arrays that large come fresh from the operating system every time, page fault by page
-# fault (chapter 2, optimisation 4). Computed a few rows at a time, the scores stay under this size and reuse
-# memory; a decode step's [B, H, 1, S] scores fit in one chunk.
+# softmax makes several. Past 32 MiB (glibc's largest mmap threshold, which ``measure.keep_freed_memory`` sets), an
+# array comes fresh from the operating system every time, page fault by page fault (chapter 2, optimisation 4).
+# Computed a few rows at a time, the scores stay under this size and reuse freed memory; a decode step's
+# [B, H, 1, S] scores fit in one chunk.
 SCORES_BYTES = 8 << 20
 
 
@@ -85,7 +86,7 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
     H, D, eps = cfg.n_head, cfg.head_dim, cfg.layer_norm_epsilon
     start, end = cache.length, cache.length + T
     mask = left_padding_attention_mask(key_mask, T)  # [B, 1, T, S]
-    rows = max(1, SCORES_BYTES // (H * T * end * 4))  # batch rows per attention chunk (all of them when decoding)
+    rows = max(1, SCORES_BYTES // (H * T * end * cache.k.itemsize))  # batch rows per attention chunk
     x = (params["wte"][ids] + params["wpe"][positions]).reshape(B * T, cfg.n_embd)  # [B*T, E]: 2-D for BLAS
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
@@ -98,7 +99,7 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
         for r in range(0, B, rows):  # a few rows at a time: see SCORES_BYTES
             b = slice(r, r + rows)
             scores = np.where(mask[b], (q[b] @ K[b].transpose(0, 1, 3, 2)) * scale, np.float32(-np.inf))  # [b, H, T, S]
-            out[b] = softmax(scores) @ V[b]  # [b, H, T, D]
+            np.matmul(softmax(scores), V[b], out=out[b])  # [b, H, T, D]
         out = out.transpose(0, 2, 1, 3).reshape(B * T, cfg.n_embd)  # [B*T, E]
         x += batched_linear(out, **p["attn"]["c_proj"])  # [B*T, E] residual
         h = gelu_(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
@@ -123,13 +124,13 @@ class StaticBatchOutput:
         return sum(self.active_rows) / (self.batch_size * max(1, len(self.active_rows)))
 
 
-def static_kv_buffer(config, batch_size: int, columns: int, dtype=np.float32) -> np.ndarray:
-    """K and V for static batches of up to ``batch_size`` rows and ``columns`` columns, [2, L, B, H, C, D], taken
-    once. A server keeps its KV memory for its whole life, as the continuous engine's store does; each batch then
-    works in a corner of it instead of asking the operating system for fresh memory (on this project's machine,
-    the first 850 MB taken took 7 s of page faults)."""
+def static_kv_buffer(config, batch_size: int, columns: int) -> np.ndarray:
+    """K and V for static batches of up to ``batch_size`` rows and ``columns`` columns, [2, L, B, H, C, D] float32,
+    taken once. A server keeps its KV memory for its whole life, as the continuous engine's store does; each batch
+    then works in a corner of it instead of asking the operating system for fresh memory (on this project's
+    machine, a process's first 850 MB took 7 s of page faults, the next 850 MB 0.1 s)."""
     shape = (2, config.n_layer, batch_size, config.n_head, columns, config.head_dim)
-    return claimed_zeros(shape, dtype, f"static batching's KV cache of {batch_size} rows x {columns} columns")
+    return claimed_zeros(shape, np.float32, f"static batching's KV cache of {batch_size} rows x {columns} columns")
 
 
 def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=None, stop_at_eos: bool = True,
@@ -158,6 +159,11 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     if kv_buffer is None:
         shape = (2, cfg.n_layer, B, cfg.n_head, columns, cfg.head_dim)
         kv = claimed_zeros(shape, np.float32, f"a static batch's KV cache of {B} rows x {columns} columns")
+    elif (kv_buffer.dtype != np.float32 or kv_buffer.shape[:2] != (2, cfg.n_layer)
+          or kv_buffer.shape[3::2] != (cfg.n_head, cfg.head_dim)):  # [2, L, rows, H, columns, D]
+        raise InvalidInputError(f"kv_buffer must be float32 [2, n_layer={cfg.n_layer}, rows, n_head={cfg.n_head}, "
+                                f"columns, head_dim={cfg.head_dim}] (static_kv_buffer), got {kv_buffer.dtype} "
+                                f"{list(kv_buffer.shape)}")
     elif kv_buffer.shape[2] < B or kv_buffer.shape[4] < columns:
         raise CacheCapacityError(f"a batch of {B} rows x {columns} columns (longest prompt {T} + {steps} new "
                                  f"tokens) does not fit kv_buffer of {kv_buffer.shape[2]} rows x "
@@ -223,6 +229,9 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
     """
     from .engine import RequestOutput
 
+    requests = list(requests)
+    if not requests:
+        return [], []
     columns = max(len(r.prompt_token_ids) for r in requests) + max(r.max_new_tokens for r in requests)
     kv_buffer = static_kv_buffer(model.config, min(batch_size, len(requests)), columns)  # before the clock starts
     t0, results, batches = time.perf_counter(), [], []

@@ -2,6 +2,7 @@
 to float32 rounding, the logits) it gets alone with chapter 2; failures stay with the request that caused them."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -307,6 +308,23 @@ def test_static_batches_reuse_one_kv_buffer_without_reading_what_an_earlier_batc
         assert out.output_token_ids == fresh.output_token_ids[:rows] != []
     with pytest.raises(CacheCapacityError, match=r"5 rows x \d+ columns .* does not fit kv_buffer of 8 rows x 3 col"):
         static_generate(MODEL, prompts, budgets, stop_at_eos=False, kv_buffer=buffer[:, :, :, :, :3])
+    for wrong in (buffer.astype(np.float16), buffer[:, :1], buffer[..., :-1]):  # dtype, layers, head size
+        with pytest.raises(InvalidInputError, match=r"kv_buffer must be float32 \[2, n_layer="):
+            static_generate(MODEL, prompts, budgets, stop_at_eos=False, kv_buffer=wrong)
+
+
+def test_static_attention_in_chunks_of_one_row_gives_the_same_tokens(monkeypatch):
+    """With a budget of one byte every chunk is a single row of the batch: prefill and decode still give each row
+    the tokens it gets alone, pads and uneven lengths included."""
+    from gpt2_core import static_batching
+
+    monkeypatch.setattr(static_batching, "SCORES_BYTES", 1)
+    requests = random_requests(MODEL, 5, seed=12)
+    assert len({len(r.prompt_token_ids) for r in requests}) > 1  # uneven padding
+    out = static_generate(MODEL, [r.prompt_token_ids for r in requests], [r.max_new_tokens for r in requests],
+                          stop_at_eos=False)
+    for r, tokens in zip(requests, out.output_token_ids):
+        assert tokens == alone(MODEL, r)
 
 
 def test_replay_static_takes_its_kv_memory_once_before_its_clock(monkeypatch):
@@ -314,14 +332,20 @@ def test_replay_static_takes_its_kv_memory_once_before_its_clock(monkeypatch):
 
     taken = []
     real = static_batching.claimed_zeros
-    monkeypatch.setattr(static_batching, "claimed_zeros", lambda *a, **k: taken.append(a[0]) or real(*a, **k))
+
+    def spy(shape, *args):
+        taken.append((shape, time.perf_counter()))
+        return real(shape, *args)
+    monkeypatch.setattr(static_batching, "claimed_zeros", spy)
     requests = random_requests(MODEL, 6, seed=10)
-    outs, batches = static_batching.replay_static(MODEL, requests, batch_size=4, clock="offline")
+    outs, batches = static_batching.replay_static(MODEL, iter(requests), batch_size=4, clock="offline")
     assert [b["batch_size"] for b in batches] == [4, 2] and len(taken) == 1  # one buffer for both batches
+    (shape, when), = taken
     columns = max(len(r.prompt_token_ids) for r in requests) + max(r.max_new_tokens for r in requests)
-    assert taken[0][2] == 4 and taken[0][4] == columns
+    assert shape[2] == 4 and shape[4] == columns and when < batches[0]["start_time"]
     for o, r in zip(outs, requests):
         assert o.output_token_ids == alone(MODEL, r)
+    assert static_batching.replay_static(MODEL, [], batch_size=4) == ([], [])
 
 
 def test_static_batching_seeded_sampling_matches_chapter_2():
