@@ -231,6 +231,42 @@ def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), conte
 # The benchmark
 
 
+def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 5) -> list[dict]:
+    """All the matrix-matrix products of one step at each row count, as BLAS gets them from ``batched_matmul``
+    (``gemm_rows``: padded with zero rows where that is faster) and unpadded, interleaved round by round.
+    -> one record per row count: rows, rows BLAS gets, the median seconds of each, and their ratio."""
+    rng = np.random.default_rng(4)
+    layers = [[b["attn"]["c_attn"]["weight"], b["attn"]["c_proj"]["weight"], b["mlp"]["c_fc"]["weight"],
+               b["mlp"]["c_proj"]["weight"]] for b in model.params["h"]]
+    head = model.lm_head_weight()
+
+    def step(n: int, padded: bool):
+        x = rng.standard_normal((n, model.config.n_embd), dtype=np.float32)  # [n, E]
+        h = rng.standard_normal((n, 4 * model.config.n_embd), dtype=np.float32)  # [n, 4E]
+
+        def gemm(a, w):  # batched_matmul's GEMM path, without the padding
+            return (w.T @ a.T).T if np.isfortran(w) else a @ w
+        mm = (lambda a, w: model_runner.batched_matmul(a, w, gemv_max_rows=1)) if padded else gemm
+
+        def run():
+            for c_attn, attn_proj, c_fc, mlp_proj in layers:
+                mm(x, c_attn), mm(x, attn_proj), mm(x, c_fc), mm(h, mlp_proj)
+            mm(x, head)
+        return run
+    records = []
+    for n in rows:
+        runs = {"unpadded": step(n, False), "padded": step(n, True)}
+        times: dict[str, list[float]] = {"unpadded": [], "padded": []}
+        for r in range(rounds):
+            for name in (("unpadded", "padded") if r % 2 else ("padded", "unpadded")):
+                times[name].append(median_time(runs[name], repeats=1, warmup=1 if r == 0 else 0))
+        records.append({"rows": n, "gemm_rows": model_runner.gemm_rows(n),
+                        "unpadded_seconds": float(np.median(times["unpadded"])),
+                        "padded_seconds": float(np.median(times["padded"])),
+                        "speedup": float(np.median([u / q for u, q in zip(times["unpadded"], times["padded"])]))})
+    return records
+
+
 def quick_workload(vocab_size: int = 50257, seed: int = 0):
     """``--quick``: 8 short requests (seconds, for CI and a first look)."""
     return wl.poisson_workload(8, 8.0, vocab_size, seed=seed, prompt_len=(32, 0.5, 16, 64),
@@ -319,6 +355,7 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         results.append({"method": "gemm_bound", "batch": b, **bound})
     small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6, 8),
                                            context=context, rounds=3 if quick else 7)
+    padding = gemm_row_padding(model, rows=(7, 8) if quick else range(5, 34), rounds=3 if quick else 5)
     bandwidth = gemv_bandwidth()
     bw_bound = bandwidth / weight_bytes_per_token(model)
     at = {d["batch"]: d for d in decode_sweep}
@@ -336,4 +373,5 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
                          "max_new_tokens": sum(r.max_new_tokens for r in requests),
                          "last_arrival_s": max(r.arrival_s for r in requests)},
             "results": results, "ratios": ratios, "decode_sweep": decode_sweep, "small_batch_gemv": small_batch,
+            "gemm_row_padding": padding,
             "bandwidth_bound_tokens_per_s_batch_1": bw_bound, "gemv_bytes_per_s": bandwidth, "threads": threads}

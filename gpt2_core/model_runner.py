@@ -40,6 +40,21 @@ def decode_attention(q, k, v):  # q [H, 1, D] already scaled by 1/sqrt(D); k, v 
 # 2-core machine (``python -m gpt2_core bench batching`` records both paths under ``small_batch_gemv``).
 GEMV_MAX_ROWS = 6
 HEAD_BLOCK = 2048  # columns: 768 x 2048 float32 = 6 MB for GPT-2 small
+ROW_TILE = 8  # rows: see gemm_rows
+
+
+def gemm_rows(n: int) -> int:
+    """How many rows to hand BLAS's matrix-matrix product for ``n`` rows: ``n``, or ``n`` padded up to a multiple of
+    ``ROW_TILE`` when 5 to 7 rows would be left past the last full multiple.
+
+    This BLAS works through the rows in tiles, and a remainder of 5-7 rows can cost more than a whole tile: in one
+    sweep, all the matmuls of a GPT-2 small step took 42.8 ms for 8 rows but 46.5-51.3 ms for 5-7, and 52.7 ms
+    for 16 rows but 56.0-59.4 ms for 13-15. Side by side (``bench_batching.gemm_row_padding``, 9 rounds), padded
+    ran 1.07-1.12x as fast at 7 and 13-15 rows, 0.96-1.12x at 21-23 and 29-31 (notebook 03 measures it). Zero
+    rows added to ``x`` give zero rows in the result, which are dropped. vLLM pads its decode batches too, to the
+    batch sizes of its captured CUDA graphs."""
+    rest = n % ROW_TILE
+    return n + ROW_TILE - rest if rest >= ROW_TILE - 3 else n
 
 
 def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | None = None):  # [N, in] -> [N, out]
@@ -57,7 +72,14 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     BLAS ran that form 1.3-2.1x as fast as ``x @ W`` with W column-major, and 0.85-1.3x as fast as with W
     row-major (chapter 2's notebook, optimisation 3); whole steps of 8-32 sequences ran at 0.95-1.05x the
     speed of row-major weights (``bench layout``, three runs), and of 1-4 sequences at 1.0-1.2x.
+
+    Every GEMM gets ``gemm_rows(N)`` rows: ``x`` is padded with zero rows when that is faster.
     """
+    n = len(x)
+    if n > gemv_max_rows and gemm_rows(n) > n:
+        padded = np.zeros((gemm_rows(n), x.shape[1]), dtype=x.dtype)  # [N', in]
+        padded[:n] = x
+        return batched_matmul(padded, weight, gemv_max_rows, block)[:n]  # [N, out]
     if len(x) > gemv_max_rows and np.isfortran(weight):
         return (weight.T @ x.T).T  # [N, out]: one GEMM, the column-major weight passed as row-major W.T
     if not 1 < len(x) <= gemv_max_rows:
@@ -83,10 +105,10 @@ def batched_lm_head(model: GPT2Model, x, gemv_max_rows: int = GEMV_MAX_ROWS) -> 
     The head [E, V] is 154 MB for GPT-2 small: far past any cache, so for a few rows the matrix-matrix product
     repacks all of it from memory. For 2 to ``gemv_max_rows`` rows, ``batched_matmul`` walks it in column blocks
     of ``HEAD_BLOCK`` columns (small enough to stay in the L3 cache): each block is read from memory once, for
-    the first row, and from cache for the others.
+    the first row, and from cache for the others. Past that it is one GEMM, on ``gemm_rows`` rows.
     """
-    if not 1 < len(x) <= gemv_max_rows:
-        return lm_head_fast(model, x)  # [B, V]
+    if len(x) == 1:
+        return lm_head_fast(model, x)  # [1, V]
     x = layer_norm(x, **model.params["ln_f"], eps=model.config.layer_norm_epsilon)  # [B, E]
     return batched_matmul(x, model.lm_head_weight(), gemv_max_rows, block=HEAD_BLOCK)  # [B, V]
 

@@ -81,11 +81,39 @@ def test_batched_linear_equals_chapter_1_linear_on_both_sides_of_the_gemv_thresh
     rng = np.random.default_rng(0)
     w = np.asarray(rng.standard_normal((48, 80), dtype=np.float32), order=order)
     b = rng.standard_normal(80, dtype=np.float32)
-    for n in range(1, model_runner.GEMV_MAX_ROWS + 3):
+    for n in range(1, 2 * model_runner.ROW_TILE + 2):  # GEMVs, then GEMMs, padded (7, 13-15) and not
         x = rng.standard_normal((n, 48), dtype=np.float32)
         y = batched_linear(x, w, b)
         assert y.shape == (n, 80) and y.dtype == np.float32
         np.testing.assert_allclose(y, linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_rows_pads_a_remainder_of_5_to_7_rows_to_the_next_tile():
+    assert model_runner.ROW_TILE == 8
+    assert {n: model_runner.gemm_rows(n) for n in range(1, 34) if model_runner.gemm_rows(n) != n} == {
+        5: 8, 6: 8, 7: 8, 13: 16, 14: 16, 15: 16, 21: 24, 22: 24, 23: 24, 29: 32, 30: 32, 31: 32}
+
+
+def test_padded_rows_change_no_result_and_the_head_pads_too(monkeypatch):
+    """A 13-row GEMM runs on 16 rows; the 13 that come back are the product of the 13 rows given, for both memory
+    orders and for the LM head, and the zero rows never reach the caller."""
+    seen = []
+    real = model_runner.batched_matmul
+    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, *a, **k: seen.append(len(x)) or real(x, *a, **k))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((13, 48), dtype=np.float32)
+    for order in "CF":
+        w = np.asarray(rng.standard_normal((48, 80), dtype=np.float32), order=order)
+        seen.clear()
+        y = model_runner.batched_matmul(x, w)
+        assert seen == [13, 16] and y.shape == (13, 80)  # the call, then the padded one
+        np.testing.assert_allclose(y, x @ np.ascontiguousarray(w), rtol=1e-5, atol=1e-5)
+    model = tiny_model()
+    h = rng.standard_normal((13, model.config.n_embd), dtype=np.float32)
+    seen.clear()
+    logits = model_runner.batched_lm_head(model, h)
+    assert seen == [13, 16] and logits.shape == (13, model.config.vocab_size)
+    np.testing.assert_allclose(logits, kv_cache.lm_head_fast(model, h), rtol=1e-5, atol=1e-5)
 
 
 def test_a_column_major_weight_goes_to_the_gemm_as_its_row_major_transpose():
@@ -433,15 +461,16 @@ def test_decode_step_and_its_gemm_bound_are_measured_side_by_side():
 
 
 def test_small_batch_comparison_runs_both_paths(monkeypatch):
-    """The GEMM arm goes through chapter 2's ``lm_head_fast`` (the GEMM head), the GEMV arm never does."""
+    """The GEMM arm multiplies the head with one GEMM (``gemv_max_rows=1``), the GEMV arm one GEMV per row."""
     from gpt2_core import bench_batching as bb
 
     calls = []
-    head = model_runner.lm_head_fast
-    monkeypatch.setattr(model_runner, "lm_head_fast", lambda model, x: (calls.append(len(x)), head(model, x))[1])
+    matmul, head = model_runner.batched_matmul, MODEL.lm_head_weight()
+    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, w, g=model_runner.GEMV_MAX_ROWS, block=None: (
+        w is head and calls.append((len(x), "gemm" if len(x) > g else "gemv")), matmul(x, w, g, block))[1])
     records = bb.small_batch_gemv_speedup(MODEL, batches=(2, 3), context=8, rounds=2)
     steps_per_arm = 2 * (1 + 3)  # rounds x (warm-up + repeats)
-    assert calls == [2] * steps_per_arm + [3] * steps_per_arm  # only the GEMM arm's steps
+    assert sorted(calls) == sorted([(n, path) for n in (2, 3) for path in ("gemm", "gemv")] * steps_per_arm)
     assert [r["batch"] for r in records] == [2, 3] and all(r["package_path"] == "gemv" for r in records)
     for r in records:
         assert r["gemm_seconds_per_step"] > 0 and r["gemv_seconds_per_step"] > 0 and r["speedup"] > 0
@@ -505,5 +534,8 @@ def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
     assert data["ratios"]["continuous_over_sequential"] == pytest.approx(
         by["continuous"]["tokens_per_s"] / by["sequential"]["tokens_per_s"])
     assert [r["batch"] for r in data["small_batch_gemv"]] == [2, 4]
+    padding = data["gemm_row_padding"]  # 7 rows run as 8; 8 as they are
+    assert [(r["rows"], r["gemm_rows"]) for r in padding] == [(7, 8), (8, 8)]
+    assert all(r["unpadded_seconds"] > 0 and r["padded_seconds"] > 0 and r["speedup"] > 0 for r in padding)
     assert [d["batch"] for d in data["decode_sweep"]] == [1, 2]
     assert all(r["output_tokens"] == by["sequential"]["output_tokens"] for r in by.values())
