@@ -50,9 +50,10 @@ def gemm_rows(n: int) -> int:
     This BLAS works through the rows in tiles, and a remainder of 5-7 rows can cost more than a whole tile: in one
     sweep, all the matmuls of a GPT-2 small step took 42.8 ms for 8 rows but 46.5-51.3 ms for 5-7, and 52.7 ms
     for 16 rows but 56.0-59.4 ms for 13-15. Side by side (``bench_batching.gemm_row_padding``, 9 rounds), padded
-    ran 1.07-1.12x as fast at 7 and 13-15 rows, 0.96-1.12x at 21-23 and 29-31 (notebook 03 measures it). Zero
-    rows added to ``x`` give zero rows in the result, which are dropped. vLLM pads its decode batches too, to the
-    batch sizes of its captured CUDA graphs."""
+    ran 1.07-1.12x as fast at 7 and 13-15 rows, 0.96-1.12x at 21-23 and 29-31; in the 5 rounds of one benchmark
+    run the gain was lost in the noise (padded 0.96-1.12x, rows left alone 0.95-1.13x). A small gain, then (notebook
+    03 measures it). Zero rows added to ``x`` give zero rows in the result, which are dropped. vLLM pads its decode
+    batches too, to the batch sizes of its captured CUDA graphs."""
     rest = n % ROW_TILE
     return n + ROW_TILE - rest if rest >= ROW_TILE - 3 else n
 
