@@ -338,7 +338,14 @@ def bench_paged(**kwargs) -> dict:  # chapter 4 (imported on use: it needs the c
     return run(**kwargs)
 
 
-BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged}
+def bench_padding(**kwargs) -> dict:  # chapter 3, rows in whole tiles (``model_runner.gemm_rows``)
+    from .bench_batching import bench_padding as run
+
+    return run(**kwargs)
+
+
+BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
+              "padding": bench_padding}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,

@@ -231,10 +231,12 @@ def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), conte
 # The benchmark
 
 
-def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 5) -> list[dict]:
-    """All the matrix-matrix products of one step at each row count, as BLAS gets them from ``batched_matmul``
+def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> list[dict]:
+    """All the matrix-matrix products of one step at each row count, as ``batched_matmul``'s GEMM path runs them
     (``gemm_rows``: padded with zero rows where that is faster) and unpadded, interleaved round by round.
-    -> one record per row count: rows, rows BLAS gets, the median seconds of each, and their ratio."""
+    -> one record per row count: rows, rows BLAS gets, the median seconds of each, and the median of the rounds'
+    ratios (unpadded time / padded time; where ``gemm_rows`` leaves the rows alone both run the same products,
+    so those ratios show the noise)."""
     rng = np.random.default_rng(4)
     layers = [[b["attn"]["c_attn"]["weight"], b["attn"]["c_proj"]["weight"], b["mlp"]["c_fc"]["weight"],
                b["mlp"]["c_proj"]["weight"]] for b in model.params["h"]]
@@ -244,9 +246,7 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 5) -> li
         x = rng.standard_normal((n, model.config.n_embd), dtype=np.float32)  # [n, E]
         h = rng.standard_normal((n, 4 * model.config.n_embd), dtype=np.float32)  # [n, 4E]
 
-        def gemm(a, w):  # batched_matmul's GEMM path, without the padding
-            return (w.T @ a.T).T if np.isfortran(w) else a @ w
-        mm = (lambda a, w: model_runner.batched_matmul(a, w, gemv_max_rows=1)) if padded else gemm
+        mm = (lambda a, w: model_runner.batched_matmul(a, w, gemv_max_rows=1)) if padded else model_runner._gemm
 
         def run():
             for c_attn, attn_proj, c_fc, mlp_proj in layers:
@@ -265,6 +265,22 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 5) -> li
                         "padded_seconds": float(np.median(times["padded"])),
                         "speedup": float(np.median([u / q for u, q in zip(times["unpadded"], times["padded"])]))})
     return records
+
+
+def bench_padding(quick: bool = QUICK) -> dict:
+    """``gemm_row_padding`` on its own, with more rounds than the batching benchmark can spend on it: is padding
+    5-7 leftover rows to a multiple of 8 faster, beyond the noise of the row counts it leaves alone?"""
+    model = random_model("gpt2", seed=0)
+    records = gemm_row_padding(model, rows=range(12, 18) if quick else range(5, 34), rounds=3 if quick else 15)
+    results = [{"method": method, "batch": r["rows"], "gemm_rows": r["gemm_rows"], "seconds": r[f"{method}_seconds"],
+                "tokens_per_s": r["rows"] / r[f"{method}_seconds"]}
+               for r in records for method in ("unpadded", "padded")]
+    padded = [r["speedup"] for r in records if r["gemm_rows"] != r["rows"]]
+    alone = [r["speedup"] for r in records if r["gemm_rows"] == r["rows"]]
+    ratios = {"padded_rows_median_speedup": float(np.median(padded)) if padded else None,
+              "rows_left_alone_median_speedup": float(np.median(alone)) if alone else None}
+    return {"benchmark": "padding", "model": "random GPT-2 124M shape, float32", "quick": quick,
+            "results": results, "ratios": ratios, "gemm_row_padding": records}
 
 
 def quick_workload(vocab_size: int = 50257, seed: int = 0):
@@ -355,7 +371,7 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         results.append({"method": "gemm_bound", "batch": b, **bound})
     small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6, 8),
                                            context=context, rounds=3 if quick else 7)
-    padding = gemm_row_padding(model, rows=(7, 8) if quick else range(5, 34), rounds=3 if quick else 5)
+    padding = gemm_row_padding(model, rows=(7, 8) if quick else range(5, 34), rounds=3 if quick else 9)
     bandwidth = gemv_bandwidth()
     bw_bound = bandwidth / weight_bytes_per_token(model)
     at = {d["batch"]: d for d in decode_sweep}

@@ -41,21 +41,22 @@ def decode_attention(q, k, v):  # q [H, 1, D] already scaled by 1/sqrt(D); k, v 
 GEMV_MAX_ROWS = 6
 HEAD_BLOCK = 2048  # columns: 768 x 2048 float32 = 6 MB for GPT-2 small
 ROW_TILE = 8  # rows: see gemm_rows
+PAD_MAX_ROWS = 4 * ROW_TILE  # gemm_rows pads decode-sized batches only: the sizes measured
 
 
 def gemm_rows(n: int) -> int:
-    """How many rows to hand BLAS's matrix-matrix product for ``n`` rows: ``n``, or ``n`` padded up to a multiple of
-    ``ROW_TILE`` when 5 to 7 rows would be left past the last full multiple.
+    """How many rows to hand BLAS's matrix-matrix product for ``n`` rows: ``n``, or, up to ``PAD_MAX_ROWS`` rows,
+    ``n`` padded up to a multiple of ``ROW_TILE`` when 5 to 7 rows would be left past the last full multiple.
 
-    This BLAS works through the rows in tiles, and a remainder of 5-7 rows can cost more than a whole tile: in one
-    sweep, all the matmuls of a GPT-2 small step took 42.8 ms for 8 rows but 46.5-51.3 ms for 5-7, and 52.7 ms
-    for 16 rows but 56.0-59.4 ms for 13-15. Side by side (``bench_batching.gemm_row_padding``, 9 rounds), padded
-    ran 1.07-1.12x as fast at 7 and 13-15 rows, 0.96-1.12x at 21-23 and 29-31; in the 5 rounds of one benchmark
-    run the gain was lost in the noise (padded 0.96-1.12x, rows left alone 0.95-1.13x). A small gain, then (notebook
-    03 measures it). Zero rows added to ``x`` give zero rows in the result, which are dropped. vLLM pads its decode
-    batches too, to the batch sizes of its captured CUDA graphs."""
+    This BLAS works through the rows in tiles, and a remainder of 5-7 rows can cost more than a whole tile. All
+    the matmuls of a GPT-2 small step, padded and not, side by side (``python -m gpt2_core bench padding``,
+    ``data/benchmarks/padding-2026-12-03.json``, median of 15 rounds each): padded ran 1.07x as fast at 7 rows,
+    1.08-1.13x at 13-15, 1.01-1.07x at 21-23 and 29-31; the row counts it leaves alone measured 0.96-1.03x. A
+    small gain, which the 5 rounds of one batching benchmark run did not separate from the noise. Zero rows
+    added to ``x`` give zero rows in the result, which are dropped; the other rows are the same products, to
+    float32 rounding. vLLM pads its decode batches too, to the batch sizes of its captured CUDA graphs."""
     rest = n % ROW_TILE
-    return n + ROW_TILE - rest if rest >= ROW_TILE - 3 else n
+    return n + ROW_TILE - rest if rest >= ROW_TILE - 3 and n < PAD_MAX_ROWS else n
 
 
 def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | None = None):  # [N, in] -> [N, out]
@@ -77,19 +78,25 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     Every GEMM gets ``gemm_rows(N)`` rows: ``x`` is padded with zero rows when that is faster.
     """
     n = len(x)
-    if n > gemv_max_rows and gemm_rows(n) > n:
+    if n > gemv_max_rows:
+        if gemm_rows(n) == n:
+            return _gemm(x, weight)  # [N, out]
         padded = np.zeros((gemm_rows(n), x.shape[1]), dtype=x.dtype)  # [N', in]
         padded[:n] = x
-        return batched_matmul(padded, weight, gemv_max_rows, block)[:n]  # [N, out]
-    if len(x) > gemv_max_rows and np.isfortran(weight):
-        return (weight.T @ x.T).T  # [N, out]: one GEMM, the column-major weight passed as row-major W.T
-    if not 1 < len(x) <= gemv_max_rows:
-        return x @ weight  # [N, out]: one GEMM (or one GEMV for N == 1)
+        return _gemm(padded, weight)[:n]  # [N, out]: the zero rows dropped
+    if n < 2:
+        return x @ weight  # [N, out]: one GEMV (N == 1)
     y = np.empty((len(x), 1, weight.shape[1]), dtype=np.result_type(x, weight))  # [N, 1, out]
     step = block or weight.shape[1]
     for j in range(0, weight.shape[1], step):
         np.matmul(x[:, None, :], weight[:, j:j + step], out=y[:, :, j:j + step])  # N GEMVs
     return y[:, 0, :]  # [N, out]
+
+
+def _gemm(x, weight):  # [N, in] -> [N, out]: one matrix-matrix product, in the faster form for the weight's order
+    if np.isfortran(weight):
+        return (weight.T @ x.T).T  # the column-major weight passed as row-major W.T
+    return x @ weight
 
 
 def batched_linear(x, weight, bias, gemv_max_rows: int = GEMV_MAX_ROWS):  # x [N, in] -> [N, out]

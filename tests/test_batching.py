@@ -89,30 +89,33 @@ def test_batched_linear_equals_chapter_1_linear_on_both_sides_of_the_gemv_thresh
 
 
 def test_gemm_rows_pads_a_remainder_of_5_to_7_rows_to_the_next_tile():
-    assert model_runner.ROW_TILE == 8
-    assert {n: model_runner.gemm_rows(n) for n in range(1, 34) if model_runner.gemm_rows(n) != n} == {
+    """Decode-sized batches only: a 1,253-row prefill is left alone (the sizes measured end at 33 rows)."""
+    assert model_runner.ROW_TILE == 8 and model_runner.PAD_MAX_ROWS == 32
+    assert {n: model_runner.gemm_rows(n) for n in range(1, 48) if model_runner.gemm_rows(n) != n} == {
         5: 8, 6: 8, 7: 8, 13: 16, 14: 16, 15: 16, 21: 24, 22: 24, 23: 24, 29: 32, 30: 32, 31: 32}
+    assert model_runner.gemm_rows(1253) == 1253
 
 
 def test_padded_rows_change_no_result_and_the_head_pads_too(monkeypatch):
-    """A 13-row GEMM runs on 16 rows; the 13 that come back are the product of the 13 rows given, for both memory
-    orders and for the LM head, and the zero rows never reach the caller."""
+    """A 13-row GEMM runs on 16 rows; the 13 rows that come back are the 13-row product to float32 rounding (BLAS
+    may take leftover rows through another kernel, which sums in another order), for both memory orders and for
+    the LM head."""
     seen = []
-    real = model_runner.batched_matmul
-    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, *a, **k: seen.append(len(x)) or real(x, *a, **k))
+    gemm = model_runner._gemm
+    monkeypatch.setattr(model_runner, "_gemm", lambda x, w: seen.append(len(x)) or gemm(x, w))
     rng = np.random.default_rng(2)
     x = rng.standard_normal((13, 48), dtype=np.float32)
     for order in "CF":
         w = np.asarray(rng.standard_normal((48, 80), dtype=np.float32), order=order)
         seen.clear()
         y = model_runner.batched_matmul(x, w)
-        assert seen == [13, 16] and y.shape == (13, 80)  # the call, then the padded one
-        np.testing.assert_allclose(y, x @ np.ascontiguousarray(w), rtol=1e-5, atol=1e-5)
+        assert seen == [16] and y.shape == (13, 80)  # BLAS got 16 rows, the caller gets 13
+        np.testing.assert_allclose(y, gemm(x, w), rtol=1e-5, atol=1e-5)
     model = tiny_model()
     h = rng.standard_normal((13, model.config.n_embd), dtype=np.float32)
     seen.clear()
     logits = model_runner.batched_lm_head(model, h)
-    assert seen == [13, 16] and logits.shape == (13, model.config.vocab_size)
+    assert seen == [16] and logits.shape == (13, model.config.vocab_size)
     np.testing.assert_allclose(logits, kv_cache.lm_head_fast(model, h), rtol=1e-5, atol=1e-5)
 
 
@@ -122,11 +125,27 @@ def test_a_column_major_weight_goes_to_the_gemm_as_its_row_major_transpose():
     rng = np.random.default_rng(0)
     w = np.asfortranarray(rng.standard_normal((96, 40), dtype=np.float32))
     x = rng.standard_normal((model_runner.GEMV_MAX_ROWS + 5, 96), dtype=np.float32)
+    assert model_runner.gemm_rows(len(x)) == len(x)  # 11 rows are not padded: y below is the product itself
     y = model_runner.batched_matmul(x, w)
     assert np.array_equal(y, (w.T @ x.T).T)
     assert np.isfortran(y)  # the transpose of a row-major [out, N] product: that form ran (x @ W gives row-major)
     np.testing.assert_allclose(y, x @ np.ascontiguousarray(w), rtol=1e-5, atol=1e-5)
     assert np.array_equal(model_runner.batched_matmul(x[:1], w), x[:1] @ w)  # one row: chapter 2's GEMV
+
+
+def test_gemm_row_padding_times_the_padded_and_the_unpadded_products(monkeypatch):
+    from gpt2_core import bench_batching as bb
+
+    rows = []
+    gemm = model_runner._gemm
+    monkeypatch.setattr(model_runner, "_gemm", lambda x, w: rows.append(len(x)) or gemm(x, w))
+    model = tiny_model()
+    records = bb.gemm_row_padding(model, rows=(7, 9), rounds=2)
+    per_step = 4 * model.config.n_layer + 1  # products per step: four per block and the head
+    runs = 3  # per arm: a warm-up and a timed call in the first round, a timed call in the second
+    assert rows.count(7) == rows.count(8) == runs * per_step  # 7 rows: as they are, and padded to 8
+    assert rows.count(9) == 2 * runs * per_step and len(rows) == 4 * runs * per_step  # 9: both arms as they are
+    assert [(r["rows"], r["gemm_rows"]) for r in records] == [(7, 8), (9, 9)]
 
 
 @pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
@@ -539,3 +558,20 @@ def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
     assert all(r["unpadded_seconds"] > 0 and r["padded_seconds"] > 0 and r["speedup"] > 0 for r in padding)
     assert [d["batch"] for d in data["decode_sweep"]] == [1, 2]
     assert all(r["output_tokens"] == by["sequential"]["output_tokens"] for r in by.values())
+
+
+def test_bench_padding_reports_both_arms_and_the_two_medians():
+    """``python -m gpt2_core bench padding``: a record per arm and row count, and the median speed-up over the row
+    counts it pads beside the one over those it leaves alone (their noise)."""
+    from gpt2_core.bench_batching import bench_padding
+
+    out = bench_padding(quick=True)
+    assert [(r["method"], r["batch"]) for r in out["results"]] == [(m, n) for n in range(12, 18)
+                                                                    for m in ("unpadded", "padded")]
+    records = out["gemm_row_padding"]
+    padded = [r["speedup"] for r in records if r["gemm_rows"] != r["rows"]]
+    alone = [r["speedup"] for r in records if r["gemm_rows"] == r["rows"]]
+    assert len(padded) == 3 and len(alone) == 3  # 13-15 padded to 16; 12, 16, 17 left alone
+    assert out["ratios"] == {"padded_rows_median_speedup": pytest.approx(float(np.median(padded))),
+                             "rows_left_alone_median_speedup": pytest.approx(float(np.median(alone)))}
+    assert all(r["tokens_per_s"] > 0 for r in out["results"])
