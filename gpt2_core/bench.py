@@ -68,17 +68,20 @@ def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, betwee
     return times
 
 
+def step_weights(model: GPT2Model) -> list[np.ndarray]:
+    """Every weight matrix one step multiplies, in order and in the memory layout the step reads: each block's
+    ``c_attn`` [E, 3E], ``attn.c_proj`` [E, E], ``c_fc`` [E, 4E], ``mlp.c_proj`` [4E, E], then the head [E, V]
+    (``lm_head_weight``). A matrix's input is [rows, its first dimension]."""
+    names = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
+    return [b[module][name]["weight"] for b in model.params["h"] for module, name in names] + [model.lm_head_weight()]
+
+
 def decode_gemvs(model: GPT2Model) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One decode step's matrix-vector products as (input row, weight) pairs: every block's four weights, then the
-    head, in the order and memory layout ``decode_step`` reads them (inputs are random: timing does not depend on
-    the values)."""
-    c = model.config
+    """One decode step's matrix-vector products as (input row, weight) pairs (``step_weights``; inputs are random:
+    timing does not depend on the values)."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((1, c.n_embd), dtype=np.float32)  # [1, E]
-    h = rng.standard_normal((1, 4 * c.n_embd), dtype=np.float32)  # [1, 4E]
-    inputs = ((x, "attn", "c_attn"), (x, "attn", "c_proj"), (x, "mlp", "c_fc"), (h, "mlp", "c_proj"))
-    gemvs = [(v, b[module][name]["weight"]) for b in model.params["h"] for v, module, name in inputs]
-    return gemvs + [(x, model.lm_head_weight())]  # the head [E, V], as decode_step reads it
+    rows = {n: rng.standard_normal((1, n), dtype=np.float32) for n in {w.shape[0] for w in step_weights(model)}}
+    return [(rows[w.shape[0]], w) for w in step_weights(model)]
 
 
 def gemv_chain_seconds(model: GPT2Model, repeats: int = 3) -> float:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .bench import gemv_bandwidth, hf_reference_model, weight_bytes_per_token
+from .bench import gemv_bandwidth, hf_reference_model, step_weights, weight_bytes_per_token
 from .engine import LLMEngine, RequestOutput, replay
 from .kv_cache import generate_stream
 from .kv_store import ContiguousKVStore
@@ -168,9 +168,7 @@ def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> d
     [B,E]x[E,3E], [B,E]x[E,E], [B,E]x[E,4E], [B,4E]x[4E,E]; the head [B,E]x[E,V]. Alone and repeated, the
     smaller weights stay in cache: in the real step they come from memory, which the bound does not charge."""
     E, V, L = model.config.n_embd, model.config.vocab_size, model.config.n_layer
-    block = model.params["h"][0]
-    weights = [block["attn"]["c_attn"]["weight"], block["attn"]["c_proj"]["weight"],
-               block["mlp"]["c_fc"]["weight"], block["mlp"]["c_proj"]["weight"]]
+    weights = step_weights(model)[:4]  # the first block's
     shapes = [w.shape for w in weights]  # [E, 3E], [E, E], [E, 4E], [4E, E]
     per_layer = {f"{k}x{n}": matmul_seconds(batch, k, n, repeats=repeats, column_major=np.isfortran(w))
                  for (k, n), w in zip(shapes, weights)}  # each in the memory order the model keeps it
@@ -238,20 +236,15 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> li
     ratios (unpadded time / padded time; where ``gemm_rows`` leaves the rows alone both run the same products,
     so those ratios show the noise)."""
     rng = np.random.default_rng(4)
-    layers = [[b["attn"]["c_attn"]["weight"], b["attn"]["c_proj"]["weight"], b["mlp"]["c_fc"]["weight"],
-               b["mlp"]["c_proj"]["weight"]] for b in model.params["h"]]
-    head = model.lm_head_weight()
+    weights = step_weights(model)
 
     def step(n: int, padded: bool):
-        x = rng.standard_normal((n, model.config.n_embd), dtype=np.float32)  # [n, E]
-        h = rng.standard_normal((n, 4 * model.config.n_embd), dtype=np.float32)  # [n, 4E]
-
+        inputs = {k: rng.standard_normal((n, k), dtype=np.float32) for k in {w.shape[0] for w in weights}}
         mm = (lambda a, w: model_runner.batched_matmul(a, w, gemv_max_rows=1)) if padded else model_runner._gemm
 
         def run():
-            for c_attn, attn_proj, c_fc, mlp_proj in layers:
-                mm(x, c_attn), mm(x, attn_proj), mm(x, c_fc), mm(h, mlp_proj)
-            mm(x, head)
+            for w in weights:
+                mm(inputs[w.shape[0]], w)
         return run
     records = []
     for n in rows:

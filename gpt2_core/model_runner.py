@@ -79,9 +79,10 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     """
     n = len(x)
     if n > gemv_max_rows:
-        if gemm_rows(n) == n:
+        rows = gemm_rows(n)
+        if rows == n:
             return _gemm(x, weight)  # [N, out]
-        padded = np.zeros((gemm_rows(n), x.shape[1]), dtype=x.dtype)  # [N', in]
+        padded = np.zeros((rows, x.shape[1]), dtype=x.dtype)  # [N', in]
         padded[:n] = x
         return _gemm(padded, weight)[:n]  # [N, out]: the zero rows dropped
     if n < 2:
