@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,44 @@ HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 
 class ClassroomError(GPT2Error):
     """nbgrader is missing, a command of it failed, or a submission folder cannot be understood."""
+
+
+# --- hidden tests: the package's own answer out of reach -----------------------------------------------------------
+
+@contextmanager
+def out_of_reach(*targets: tuple):
+    """Hidden tests run a learner's function inside ``with out_of_reach((owner, "name"), ...):``, where each owner
+    is a module, a class or a notebook's ``globals()``. While the block runs, ``owner.name`` (or ``owner["name"]``)
+    is a function that fails the test when called, so an exercise cannot be passed by calling the package's version
+    of the very function it asks for (chapters show that code, and import it for their own use). Everything is put
+    back afterwards, even when the test fails. A name an owner does not have is skipped."""
+    saved = []
+    for owner, name in targets:
+        if isinstance(owner, dict):
+            if name in owner:
+                saved.append((owner, name, owner[name]))
+        elif name in vars(owner):
+            saved.append((owner, name, vars(owner)[name]))
+    try:
+        for owner, name, _ in saved:
+            _put(owner, name, _unreachable(name))
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            _put(owner, name, value)
+
+
+def _unreachable(name: str):
+    def call(*args, **kwargs):
+        raise AssertionError(f"write this exercise yourself: it may not call the package's own {name}()")
+    return call
+
+
+def _put(owner, name: str, value) -> None:
+    if isinstance(owner, dict):
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
 
 
 # --- reading exercises out of a notebook (nbgrader's cell metadata) -------------------------------------------------

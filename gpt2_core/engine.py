@@ -10,7 +10,7 @@
 3. each sequence samples its next token with its own seeded ``Sampler``; finished sequences leave at once and
    free their KV room, so a waiting request can take their place in the very next step.
 
-A request that is invalid, or whose own sampling raises, fails alone (``FinishReason.ERROR`` with a message);
+A request that is invalid, or whose own sampling or ``on_token`` callback raises, fails alone (``FinishReason.ERROR`` with a message);
 the others are not disturbed.
 """
 
@@ -179,8 +179,6 @@ class LLMEngine:
             elif len(seq.output_token_ids) >= seq.max_new_tokens:
                 self._finish(seq, FinishReason.LENGTH, now)
             self._pending[seq.seq_id].append(token)
-            if seq.seq_id in self._callbacks:
-                self._callbacks[seq.seq_id](seq, token)
         self.step_stats.append(StepStats(
             step=self.num_steps, start_time=start, end_time=now, num_seqs=len(plan.scheduled),
             num_prefill_seqs=plan.num_prefill_seqs, num_decode_seqs=plan.num_decode_seqs,
@@ -188,7 +186,23 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting), kv_slots_in_use=kv_slots, kv_reserved_tokens=kv_reserved,
             kv_used_tokens=kv_used, num_preempted=len(plan.preempted)))
         self.num_steps += 1
+        self._call_back(outputs, now)  # only once every sequence's state is up to date
         return outputs
+
+    def _call_back(self, outputs, now: float) -> None:
+        """Hand each new token to its request's ``on_token``. A callback is the caller's code: if it raises, its
+        request ends with ``FinishReason.ERROR`` (its KV room freed) and the other requests go on."""
+        for request_id, token in outputs:
+            seq = self._by_request[request_id]
+            callback = self._callbacks.get(seq.seq_id)
+            if callback is None:
+                continue
+            try:
+                callback(seq, token)
+            except Exception as e:
+                seq.error = f"request {request_id!r}: on_token raised {type(e).__name__}: {e}"
+                self._finish(seq, FinishReason.ERROR, now)
+                del self._callbacks[seq.seq_id]  # no more tokens for a callback that failed
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
         if seq.request.logits_processor is not None:

@@ -23,6 +23,7 @@ from itertools import islice
 from dataclasses import dataclass, field
 
 from .errors import InvalidInputError
+from .generation import positions_needed
 from .kv_store import KVStore
 from .sequence import FinishReason, Sequence, SequenceStatus
 
@@ -79,15 +80,16 @@ class Scheduler:
     # -- admission control ----------------------------------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> str | None:
         """Why ``seq`` could never run even alone, or None. Refusing it now avoids a deadlock later."""
-        total = seq.max_num_tokens
-        what = f"prompt of {seq.num_prompt_tokens} tokens + max_new_tokens={seq.max_new_tokens} = {total} tokens"
+        total = positions_needed(seq.num_prompt_tokens, seq.max_new_tokens)  # the last token is never fed back
+        what = (f"prompt of {seq.num_prompt_tokens} tokens + max_new_tokens={seq.max_new_tokens} needs {total} "
+                f"positions")
         if total > self.max_model_len:
-            return f"{what} exceeds the context n_ctx={self.max_model_len}"
+            return f"{what}, which exceeds the context n_ctx={self.max_model_len}"
         room = self.store.max_tokens_per_seq()
         if total > room:
-            return f"{what} exceeds the KV store's room for one sequence ({room} tokens): it could never fit"
+            return f"{what}, which exceeds the KV store's room for one sequence ({room} tokens): it could never fit"
         if total > self.max_num_batched_tokens:
-            return (f"{what} exceeds max_num_batched_tokens={self.max_num_batched_tokens}: its prefill (or its "
+            return (f"{what}, which exceeds max_num_batched_tokens={self.max_num_batched_tokens}: its prefill (or its "
                     f"recompute after a preemption) could never be scheduled")
         return None
 

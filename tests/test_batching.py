@@ -242,6 +242,53 @@ def test_stream_and_callback_deliver_each_token_once_in_order():
     assert list(engine.stream(3)) == []  # already delivered
 
 
+def test_a_raising_callback_fails_its_own_request_alone():
+    """``on_token`` is the caller's code. When it raises (here in a step that also prefills another request), its
+    request ends with an error, its slot is freed, and every other request still gets its chapter 2 tokens."""
+    fails = Request("fails", [5, 6, 7], max_new_tokens=6, stop_at_eos=False)
+    late = Request("late", [8, 9, 10, 11], max_new_tokens=5, stop_at_eos=False)
+    first = Request("first", [1, 2], max_new_tokens=4, stop_at_eos=False)
+    engine = LLMEngine(MODEL, max_num_seqs=3, max_len=16)
+    received = {}
+
+    def on_token(seq, token):
+        received.setdefault(seq.request_id, []).append(token)
+        if seq.request_id == "fails" and len(seq.output_token_ids) == 2:
+            raise RuntimeError("consumer went away")
+    engine.add_request(first, on_token=on_token)
+    engine.add_request(fails, on_token=on_token)
+    engine.step()  # both prefilled
+    engine.add_request(late, on_token=on_token)
+    engine.step()  # "late" is prefilled in the step in which "fails"'s callback raises
+    assert engine.get_sequence("late").num_computed_tokens == 4  # its state was updated all the same
+    engine.run_until_done()
+    out = {o.request_id: o for o in engine.outputs()}
+    assert out["fails"].finish_reason is FinishReason.ERROR
+    assert "on_token raised RuntimeError: consumer went away" in out["fails"].error and "'fails'" in out["fails"].error
+    assert received["fails"] == out["fails"].output_token_ids == alone(MODEL, fails)[:2]  # no call after the error
+    for r in (first, late):
+        assert out[r.request_id].finish_reason is FinishReason.LENGTH
+        assert out[r.request_id].output_token_ids == received[r.request_id] == alone(MODEL, r)
+    assert engine.store.reserved_tokens() == 0 and len(engine.store.free_slots) == 3
+
+
+def test_a_request_needing_exactly_the_context_or_the_slot_runs():
+    """The last sampled token is never fed back, so prompt + max_new_tokens - 1 positions suffice (chapter 2's
+    ``positions_needed``): a request that needs exactly n_ctx positions, or exactly a slot, is served, not refused;
+    one position more is refused."""
+    n_ctx = MODEL.config.n_positions
+    exact = Request("exact", list(range(1, n_ctx - 3)), max_new_tokens=5, stop_at_eos=False)  # n_ctx - 4 + 5 - 1
+    over = Request("over", list(range(1, n_ctx - 3)), max_new_tokens=6, stop_at_eos=False)
+    out = {o.request_id: o for o in LLMEngine(MODEL, max_num_seqs=2).generate_many([exact, over])}
+    assert out["exact"].finish_reason is FinishReason.LENGTH
+    assert out["exact"].output_token_ids == kv_cache.generate(MODEL, exact.prompt_token_ids, 5, stop_at_eos=False)
+    assert out["over"].finish_reason is FinishReason.ERROR
+    assert f"needs {n_ctx + 1} positions, which exceeds the context n_ctx={n_ctx}" in out["over"].error
+    slot = Request("slot", [1, 2, 3], max_new_tokens=6, stop_at_eos=False)  # 3 + 6 - 1 = 8 positions
+    out = LLMEngine(MODEL, max_num_seqs=1, max_len=8).generate_many([slot])[0]
+    assert out.finish_reason is FinishReason.LENGTH and out.output_token_ids == alone(MODEL, slot)
+
+
 def test_step_returns_request_id_token_pairs_and_records_metrics():
     engine = LLMEngine(MODEL, max_num_seqs=4, max_len=16)
     requests = random_requests(MODEL, 3, seed=5)

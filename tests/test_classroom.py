@@ -8,6 +8,8 @@ Once per test session: a course directory is made in a temporary directory, ever
 - ``untouched``: the student version as released (every exercise raises NotImplementedError) -> 0, no crash
 - ``one_solved``: the student version with only the first exercise's reference solution typed in -> exactly the
   points of that exercise
+- ``delegating`` (chapters with such exercises): every exercise that asks for a function the package already has
+  answered by one line calling the package's version -> 0 for those, failed by ``classroom.out_of_reach``
 
 Then the learner's self-check (``pytest --nbval-lax``, no nbgrader) runs on each chapter's ``one_solved`` version.
 Grading executes whole notebooks; nbgrader sets ``NBGRADER_EXECUTION`` in the kernel, and with it
@@ -15,6 +17,7 @@ Grading executes whole notebooks; nbgrader sets ``NBGRADER_EXECUTION`` in the ke
 (in the ``test`` and ``classroom`` extras).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -39,7 +42,7 @@ except ImportError as e:  # pragma: no cover
 
 CHAPTERS = chapter_notebooks()
 IDS = [p.stem for p in CHAPTERS]
-STUDENTS = ("reference", "untouched", "one_solved")
+STUDENTS = ("reference", "untouched", "one_solved", "delegating")
 
 
 # --- building submissions --------------------------------------------------------------------------------------
@@ -65,6 +68,37 @@ def solve_first_exercise(reference: dict, student: dict) -> dict:
     for c in solutions:
         by_id[c.grade_id]["source"] = strip_solution_markers(c.source)
     return nb
+
+
+# Answers that only call the package's own version of what the exercise asks for (each would pass the visible
+# tests); the hidden tests must fail them with ``classroom.out_of_reach``.
+DELEGATING = {
+    "top_p_filter": "def top_p_filter(probs, p):\n"
+                    "    return sampling_probs(np.log(probs), SamplingParams(1.0, top_p=p))",
+    "attention_by_rows": "def attention_by_rows(q, k, v):\n    return attention(q, k, v)",
+    "padding_mask": "def padding_mask(key_mask, num_queries):\n"
+                    "    return left_padding_attention_mask(key_mask, num_queries)",
+    "fcfs_admit": "def fcfs_admit(*args):\n    return num_to_admit(*args)",
+    "allocator_free": "class MyBlockAllocator(BlockAllocator):\n"
+                      "    def free(self, block: int) -> None:\n        super().free(block)",
+    "internal_fragmentation": "def internal_fragmentation(lengths, block_size):\n"
+                              "    return block_manager.internal_fragmentation(lengths, block_size)",
+    "choose_block_size": "def choose_block_size(lengths, candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), max_waste=0.05):\n"
+                         "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
+}
+
+
+def delegate(student: dict) -> dict | None:
+    """The student version with every exercise in ``DELEGATING`` answered by its one-line call, or None if the
+    chapter has none of them."""
+    nb = json.loads(json.dumps(student))
+    found = False
+    for cell in nb["cells"]:
+        grade_id = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+        if grade_id in DELEGATING:
+            cell["source"] = DELEGATING[grade_id]
+            found = True
+    return nb if found else None
 
 
 def write_notebook(nb: dict, path: Path) -> Path:
@@ -96,12 +130,13 @@ def round_trip(tmp_path_factory, request) -> RoundTrip:
         reference = read_notebook(path)
         student = read_notebook(released[path.stem])
         for who, nb in (("reference", reference), ("untouched", student),
-                        ("one_solved", solve_first_exercise(reference, student))):
-            course.submit(who, write_notebook(nb, subs / who / path.name))
+                        ("one_solved", solve_first_exercise(reference, student)), ("delegating", delegate(student))):
+            if nb is not None:
+                course.submit(who, write_notebook(nb, subs / who / path.name))
     for path in CHAPTERS:
         t0 = time.perf_counter()
-        course.autograde(path.stem)  # one nbgrader call grades the three submissions of the chapter
-        seconds[f"autograde {path.stem} (3 submissions)"] = time.perf_counter() - t0
+        course.autograde(path.stem)  # one nbgrader call grades the chapter's submissions
+        seconds[f"autograde {path.stem}"] = time.perf_counter() - t0
     course.export()
     rows = course.grades()
     grades = {}
@@ -209,6 +244,42 @@ def test_one_solved_exercise_gets_exactly_its_points(round_trip, chapter):
     want = {k: ((p if k == solved.grade_id else 0.0), p) for k, p in expected.items()}
     assert {k: grades[k] for k in expected} == want
     assert sum(grades[k][0] for k in expected) == solved.points
+
+
+def test_out_of_reach_fails_calls_inside_and_restores_everything_after():
+    import types
+
+    module = types.SimpleNamespace(answer=lambda: 42)
+    namespace = {"answer": module.answer, "other": 1}
+    original = module.answer
+    for fail in (False, True):
+        with pytest.raises(ZeroDivisionError) if fail else contextlib.nullcontext():
+            with classroom.out_of_reach((module, "answer"), (namespace, "answer"), (namespace, "missing")):
+                for f in (module.answer, namespace["answer"]):
+                    with pytest.raises(AssertionError, match="write this exercise yourself.*own answer"):
+                        f()
+                assert "missing" not in namespace and namespace["other"] == 1
+                if fail:
+                    1 / 0  # a failing hidden test must not leave the package broken for the cells after it
+        assert module.answer is original and namespace["answer"] is original and module.answer() == 42
+
+
+def test_every_delegating_answer_belongs_to_an_exercise():
+    assert set(DELEGATING) <= {c.grade_id for path in CHAPTERS for c in nbgrader_cells(read_notebook(path))}
+
+
+@pytest.mark.parametrize("chapter", [i for i, path in zip(IDS, CHAPTERS) if delegate(read_notebook(path))])
+def test_an_answer_that_calls_the_package_gets_nothing(round_trip, chapter):
+    path = CHAPTERS[IDS.index(chapter)]
+    expected = classroom.exercise_points(path)
+    grades = round_trip.grades[("delegating", chapter)]
+    assert {k: grades[k] for k in expected} == {k: (0.0, p) for k, p in expected.items()}
+    nb = autograded(round_trip, "delegating", chapter)
+    solved = {c.grade_id for c in nbgrader_cells(nb) if c.kind == "solution" and c.grade_id in DELEGATING}
+    for c in nbgrader_cells(nb):
+        if c.kind == "tests" and c.index - 1 in {s.index for s in nbgrader_cells(nb) if s.grade_id in solved}:
+            errors = [o for o in nb["cells"][c.index]["outputs"] if o["output_type"] == "error"]
+            assert errors and "write this exercise yourself" in errors[0]["evalue"], (c.grade_id, errors)
 
 
 @pytest.mark.parametrize("chapter", IDS)

@@ -25,6 +25,7 @@ from gpt2_core import GPT2Config, kv_cache
 from gpt2_core.block_manager import blocks_needed
 from gpt2_core.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
+from gpt2_core.generation import positions_needed
 from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core.model_runner import Chunk, ragged_forward
 from gpt2_core.paged_kv_store import PagedKVStore, slot_indices
@@ -322,7 +323,7 @@ def test_a_request_larger_than_the_whole_pool_is_rejected_and_the_rest_run():
     store = PagedKVStore(CFG, num_blocks=2, block_size=4)  # 8 token positions in all
     engine = LLMEngine(MODEL, store=store, max_num_seqs=4)
     ok = Request("ok", [1, 2, 3], max_new_tokens=4, stop_at_eos=False)
-    big = Request("big", [1, 2, 3, 4, 5], max_new_tokens=4, stop_at_eos=False)  # 9 > 8: could never fit
+    big = Request("big", [1, 2, 3, 4, 5], max_new_tokens=5, stop_at_eos=False)  # 5 + 5 - 1 = 9 > 8: never fits
     out = {o.request_id: o for o in engine.generate_many([big, ok])}
     assert out["big"].finish_reason is FinishReason.ERROR and "could never fit" in out["big"].error
     assert out["ok"].output_token_ids == alone(ok)
@@ -339,7 +340,7 @@ def test_random_workloads_on_small_pools_always_finish_with_the_tokens_of_runnin
     reqs = requests(n, seed=seed)
     outputs = engine.generate_many(reqs)
     for r, o in zip(reqs, outputs):
-        if r.max_new_tokens + len(r.prompt_token_ids) > store.max_tokens_per_seq():
+        if positions_needed(len(r.prompt_token_ids), r.max_new_tokens) > store.max_tokens_per_seq():
             assert o.finish_reason is FinishReason.ERROR  # refused at admission, never deadlocks
         else:
             assert o.output_token_ids == alone(r), (r, o)

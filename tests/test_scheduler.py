@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from gpt2_core import kv_cache
 from gpt2_core.engine import LLMEngine, replay
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
+from gpt2_core.generation import positions_needed
 from gpt2_core.kv_store import ContiguousKVStore, KVStore
 from gpt2_core.scheduler import Scheduler
 from gpt2_core.sequence import FinishReason, Request, Sequence, SequenceStatus
@@ -179,9 +180,9 @@ def test_a_request_larger_than_the_whole_store_is_refused_not_deadlocked():
     assert outs[0].finish_reason is FinishReason.ERROR and "could never fit" in outs[0].error
     assert outs[1].output_token_ids == greedy_alone(ok)
     slot = ContiguousKVStore(TINY, num_slots=4, max_len=8)
-    out = LLMEngine(MODEL, slot, max_num_seqs=4).generate_many([Request("x", [1, 2, 3], max_new_tokens=6)])[0]
+    out = LLMEngine(MODEL, slot, max_num_seqs=4).generate_many([Request("x", [1, 2, 3], max_new_tokens=7)])[0]
     assert out.finish_reason is FinishReason.ERROR and "room for one sequence (8 tokens)" in out.error
-    out = LLMEngine(MODEL, max_num_seqs=2, max_num_batched_tokens=4).generate_many([Request("y", [1, 2], 3)])[0]
+    out = LLMEngine(MODEL, max_num_seqs=2, max_num_batched_tokens=4).generate_many([Request("y", [1, 2], 4)])[0]
     assert out.finish_reason is FinishReason.ERROR and "max_num_batched_tokens=4" in out.error
 
 
@@ -228,7 +229,7 @@ def test_random_workloads_finish_every_valid_request_within_limits(specs, max_nu
     limit = min(TINY.n_positions, store.max_tokens_per_seq(), max_num_batched_tokens)
     valid = {r.request_id: 0 < len(r.prompt_token_ids) <= TINY.n_positions and
              all(0 <= t < TINY.vocab_size for t in r.prompt_token_ids) and
-             len(r.prompt_token_ids) + r.max_new_tokens <= limit for r in requests}
+             positions_needed(len(r.prompt_token_ids), r.max_new_tokens) <= limit for r in requests}
 
     outs = replay(engine, requests, clock="steps")
 
