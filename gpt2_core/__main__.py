@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .errors import GPT2Error
@@ -16,6 +17,11 @@ def _generate(args) -> int:
         raise GPT2Error(f"{model.source}: no tokenizer found beside the checkpoint (tokenizer.json)")
     stream = _engine(args.engine)
     prompt_ids = model.tokenizer.encode(args.prompt)
+    from .generation import check_generation
+    from .sampling import SamplingParams
+
+    check_generation(model, prompt_ids, args.max_new_tokens)  # bad input is reported before any output
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     tokens = stream(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     sys.stdout.write(args.prompt)
@@ -101,6 +107,9 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of our output went away (e.g. `| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

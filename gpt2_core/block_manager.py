@@ -161,16 +161,23 @@ class BlockManager:
         self.num_tokens[seq_id] = max(self.num_tokens[seq_id], num_tokens)
         return copies
 
-    def fork(self, parent, child) -> list[int]:
-        """``child`` shares every block of ``parent`` (ref counts +1); writes then copy on write."""
+    def fork(self, parent, child, num_tokens: int | None = None) -> list[int]:
+        """``child`` shares the blocks of ``parent``'s first ``num_tokens`` tokens (default: all it has room for;
+        ref counts +1); writes then copy on write. Pass the tokens actually written when ``parent`` has room it
+        has not filled yet: the child must not share room the parent is still going to write."""
         if parent not in self.block_tables:
             raise InvalidInputError(f"sequence {parent!r} has no block table to fork")
         if child in self.block_tables:
             raise InvalidInputError(f"sequence {child!r} already has a block table")
-        for block in self.block_tables[parent]:
+        have = self.num_tokens[parent]
+        n = have if num_tokens is None else num_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= have:
+            raise InvalidInputError(f"fork of {parent!r}: num_tokens must be an integer in [0, {have}], got {n!r}")
+        shared = self.block_tables[parent][:blocks_needed(n, self.block_size)]
+        for block in shared:
             self.allocator.share(block)
-        self.block_tables[child] = list(self.block_tables[parent])
-        self.num_tokens[child] = self.num_tokens[parent]
+        self.block_tables[child] = list(shared)
+        self.num_tokens[child] = n
         return self.block_tables[child]
 
     def free(self, seq_id) -> None:

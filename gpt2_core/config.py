@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,8 +27,13 @@ class GPT2Config:
                 raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise CheckpointError(f"config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise CheckpointError(f"config: eos_token_id={self.eos_token_id} outside vocab_size={self.vocab_size}")
+        eps = self.layer_norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise CheckpointError(f"config: layer_norm_epsilon must be a finite number > 0, got {eps!r}")
+        eos = self.eos_token_id
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size):
+            raise CheckpointError(f"config: eos_token_id must be a token id in [0, vocab_size={self.vocab_size}), "
+                                  f"got {eos!r}")
 
     @property
     def head_dim(self) -> int:
@@ -54,14 +60,23 @@ class GPT2Config:
         if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(
                 f"config.json: activation_function {d['activation_function']!r} is not GPT-2's tanh GELU")
-        eos = d.get("eos_token_id", 50256 if d["vocab_size"] > 50256 else None)
+        # variants of GPT-2's attention this package does not implement: refused, never silently ignored
+        for key, gpt2_value in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if d.get(key, gpt2_value) != gpt2_value:
+                raise CheckpointError(f"config.json: {key}={d[key]!r} is not supported (GPT-2 uses {gpt2_value})")
+        vocab_size = d["vocab_size"]
+        eos = d.get("eos_token_id")
+        if eos is None and isinstance(vocab_size, int) and vocab_size > 50256:
+            eos = 50256  # GPT-2's <|endoftext|>
+        if isinstance(eos, list):  # HF allows several end-of-sequence ids; generation stops at the first
+            eos = eos[0] if eos else None
         return cls(
-            vocab_size=d["vocab_size"],
+            vocab_size=vocab_size,
             n_positions=d.get("n_positions", d.get("n_ctx", 1024)),
             n_embd=d["n_embd"],
             n_head=d["n_head"],
             n_layer=d["n_layer"],
-            layer_norm_epsilon=float(d.get("layer_norm_epsilon", 1e-5)),
+            layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
             eos_token_id=eos,
         )
 

@@ -73,10 +73,14 @@ class LLMEngine:
     def __init__(self, model: GPT2Model, store: KVStore | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_len: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_len", 1 if max_len is None else max_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
         if store is None:
-            store = ContiguousKVStore(model.config, num_slots=max_num_seqs, max_len=max_len)
+            store = ContiguousKVStore(model.config, num_slots=int(max_num_seqs), max_len=max_len)
         self.model, self.store, self.clock = model, store, clock
-        self.scheduler = Scheduler(store, max_num_seqs, max_num_batched_tokens, model.config.n_positions)
+        self.scheduler = Scheduler(store, int(max_num_seqs), int(max_num_batched_tokens), model.config.n_positions)
         self.sequences: dict[int, Sequence] = {}  # seq_id -> Sequence, all ever added
         self._by_request: dict[object, Sequence] = {}
         self._callbacks: dict[int, Callable] = {}
@@ -102,7 +106,10 @@ class LLMEngine:
         self._pending[seq_id] = []
         if on_token is not None:
             self._callbacks[seq_id] = on_token
-        error = self._validate(seq)
+        try:
+            error = self._validate(seq)
+        except Exception as e:  # whatever is wrong with it, the request fails alone and the engine stays sound
+            error = f"invalid request ({type(e).__name__}: {e})"
         if error is not None:
             seq.error = f"request {request.request_id!r}: {error}"
             seq.status = SequenceStatus.FINISHED
@@ -207,6 +214,10 @@ class LLMEngine:
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
         if seq.request.logits_processor is not None:
             logits = np.asarray(seq.request.logits_processor(seq.token_ids, logits))
+            V = self.model.config.vocab_size
+            if logits.shape != (V,) or not np.issubdtype(logits.dtype, np.floating):
+                raise InvalidInputError(f"logits_processor must return float logits of shape ({V},), got "
+                                        f"{logits.dtype} {logits.shape}")
         token = seq.sampler(logits)
         if not 0 <= token < self.model.config.vocab_size:
             raise InvalidInputError(f"sampled token {token} is outside the vocabulary")
@@ -252,6 +263,11 @@ def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
     """
     if clock not in ("wall", "steps"):
         raise InvalidInputError(f"clock must be 'wall' or 'steps', got {clock!r}")
+    requests = list(requests)
+    for r in requests:
+        a = r.arrival_s
+        if isinstance(a, bool) or not isinstance(a, (int, float, np.number)) or not np.isfinite(a) or a < 0:
+            raise InvalidInputError(f"request {r.request_id!r}: arrival_s must be a finite number >= 0, got {a!r}")
     queue = sorted(requests, key=lambda r: r.arrival_s)
     ids, i, t0, tick = [], 0, engine.clock(), 0
     while i < len(queue) or engine.has_unfinished():

@@ -61,6 +61,9 @@ def download(name: str, revision: str | None = None) -> Path:
     except hf_errors.RemoteEntryNotFoundError:
         reason = f"the repository has no {CONFIG}, so it is not a model in Hugging Face layout"
     except Exception as e:  # no network, HF_HUB_OFFLINE=1, a proxy, the Hub down, ...
+        if "consistency check" in str(e).lower():  # the Hub answered, but a file arrived cut short
+            raise CheckpointError(f"the download of {name!r} from the Hugging Face Hub was incomplete "
+                                  f"({str(e).splitlines()[0]}); run the same command again to retry") from None
         offline = " (HF_HUB_OFFLINE is set)" if hf.is_offline_mode() else ""
         reason = (f"the Hub could not be reached{offline} and they are not in the local cache "
                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")

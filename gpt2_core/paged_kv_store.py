@@ -42,6 +42,7 @@ class PagedKVStore(KVStore):
         self.kv = claimed_zeros((L, num_blocks * block_size, 2, H, D), dtype,  # [L, slots, K/V, H, D]
                                 f"a paged KV pool of {num_blocks} blocks x {block_size} tokens (lower num_blocks)")
         self.slots: dict[object, np.ndarray] = {}  # seq_id -> pool slot of each position it has room for
+        self.written: dict[object, int] = {}  # seq_id -> positions written so far (0 .. written - 1)
         self._out = np.empty(config.n_positions * 2 * H * D, dtype=dtype)  # scratch for one gather (no malloc)
         self.max_len = config.n_positions
 
@@ -73,6 +74,7 @@ class PagedKVStore(KVStore):
     def allocate(self, seq_id, num_tokens: int) -> None:
         self._check_length(seq_id, num_tokens)
         self.manager.allocate(seq_id, num_tokens)
+        self.written[seq_id] = 0
         self._refresh_slots(seq_id)
 
     def can_ensure(self, seq_id, num_tokens: int) -> bool:
@@ -97,19 +99,24 @@ class PagedKVStore(KVStore):
         pool = self.kv[layer]  # [slots, 2, H, D]
         pool[slots[start:end], 0] = k.transpose(1, 0, 2)  # scatter the new tokens into their blocks [T, H, D]
         pool[slots[start:end], 1] = v.transpose(1, 0, 2)
+        self.written[seq_id] = max(self.written[seq_id], end)
         out = self._out[:end * 2 * H * D].reshape(end, 2, H, D)  # a view of the scratch buffer
         np.take(pool, slots[:end], axis=0, out=out, mode="clip")  # one gather, K and V in position order
         return out[:, 0].transpose(1, 0, 2), out[:, 1].transpose(1, 0, 2)  # 2 x [H, S, D] (views)
 
     def fork(self, parent, child) -> None:
-        """``child`` starts as a copy of ``parent`` that shares its blocks; the first write to a shared block
-        copies it (copy on write), so neither sees the other's new tokens."""
-        self.manager.fork(parent, child)
+        """``child`` starts as a copy of ``parent``'s tokens written so far, sharing their blocks; the first write
+        to a shared block copies it (copy on write), so neither sees the other's new tokens. Room ``parent`` has
+        reserved but not written yet stays its own."""
+        if parent not in self.written:
+            raise InvalidInputError(f"sequence {parent!r} has no KV to fork")
+        self.manager.fork(parent, child, self.written[parent])
+        self.written[child] = self.written[parent]
         self._refresh_slots(child)
 
     def free(self, seq_id) -> None:
         self.manager.free(seq_id)
-        del self.slots[seq_id]
+        del self.slots[seq_id], self.written[seq_id]
 
     def reserved_tokens(self) -> int:
         return self.manager.num_used_blocks() * self.block_size

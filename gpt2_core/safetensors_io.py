@@ -17,6 +17,9 @@ import numpy as np
 from .errors import CheckpointError
 
 MAX_HEADER_BYTES = 100_000_000  # the format's own limit on the JSON header
+# Bytes per element of the dtypes this package reads (GPT-2 checkpoints are F32, F16 or BF16; integer tensors,
+# such as an old checkpoint's attention-mask buffers, are read and then reported by the loader by name).
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
@@ -51,10 +54,19 @@ def _read_header(path: Path) -> tuple[dict[str, dict], int]:
             dtype = info["dtype"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}") from None
+        if not all(isinstance(o, int) and not isinstance(o, bool) for o in (begin, end)) or min(shape, default=0) < 0:
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}")
+        if dtype not in ITEMSIZE:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype!r}, which this package does not read "
+                                  f"(it reads {', '.join(ITEMSIZE)})")
         if not 0 <= begin <= end <= data_bytes:
             raise CheckpointError(
                 f"{path}: tensor {name!r} needs bytes [{begin}, {end}) but the file holds {data_bytes} "
                 f"(truncated?)")
+        needed = ITEMSIZE[dtype] * int(np.prod(shape, dtype=np.int64))
+        if end - begin != needed:
+            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, but shape {shape} in {dtype} "
+                                  f"needs {needed}")
         info["shape"] = shape
         info["dtype"] = dtype
     return header, 8 + n
@@ -82,10 +94,7 @@ def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def _read_bf16(path: Path, data_start: int, name: str, info: dict) -> np.ndarray:
-    begin, end = info["data_offsets"]
+    begin, _ = info["data_offsets"]  # the size was checked against the shape in _read_header
     count = int(np.prod(info["shape"], dtype=np.int64))
-    if end - begin != 2 * count:
-        raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, shape {info['shape']} "
-                              f"in BF16 needs {2 * count}")
     raw = np.fromfile(path, dtype="<u2", count=count, offset=data_start + begin)
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])

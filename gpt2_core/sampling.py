@@ -40,10 +40,17 @@ class SamplingParams:
 
 def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution sampling draws from: softmax(logits / T), cut to top-k, then to top-p. [V] float64."""
-    z = np.asarray(logits, dtype=np.float64) / params.temperature  # [V]; float64: the cut-offs are exact
+    with np.errstate(over="ignore"):  # a vanishing temperature overflows to inf: handled below
+        z = np.asarray(logits, dtype=np.float64) / params.temperature  # [V]; float64: the cut-offs are exact
     if params.top_k and params.top_k < z.size:
         kth_largest = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z < kth_largest, -np.inf, z)  # ties at the k-th value are all kept
+    if not np.isfinite(z.max()):  # NaN logits, all -inf, or a temperature so small that logits / T overflow
+        x = np.asarray(logits, dtype=np.float64)
+        if np.isnan(x).any() or not np.isfinite(x).any():
+            raise InvalidInputError("cannot sample: the logits are NaN or all -inf")
+        probs = (x == x.max()).astype(np.float64)  # logits / T overflowed: the limit T -> 0, greedy
+        return probs / probs.sum()
     probs = np.exp(z - z.max())
     probs /= probs.sum()
     if params.top_p is not None and params.top_p < 1:
@@ -67,4 +74,5 @@ class Sampler:
             return int(np.argmax(logits))
         probs = sampling_probs(logits, self.params)
         u = self.rng.random()  # exactly one draw per step
-        return int(min(np.searchsorted(np.cumsum(probs), u, side="right"), probs.size - 1))
+        cdf = np.cumsum(probs)
+        return int(np.searchsorted(cdf, u * cdf[-1], side="right"))  # scaled: cdf[-1] may miss 1 by rounding

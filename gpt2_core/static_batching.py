@@ -133,20 +133,25 @@ def static_kv_buffer(config, batch_size: int, columns: int) -> np.ndarray:
     return claimed_zeros(shape, np.float32, f"static batching's KV cache of {batch_size} rows x {columns} columns")
 
 
-def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=None, stop_at_eos: bool = True,
-                    pad_id: int = 0, clock=time.perf_counter, kv_buffer: np.ndarray | None = None) -> StaticBatchOutput:
+def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=None, stop_at_eos=True,
+                    pad_id: int = 0, clock=time.perf_counter, kv_buffer: np.ndarray | None = None,
+                    stop_token_ids=None) -> StaticBatchOutput:
     """Generate for a batch of prompts at once; each row's tokens equal running it alone with chapter 2.
 
-    ``max_new_tokens`` and ``sampling_params`` are one value for all rows or one per row. ``kv_buffer``
-    (``static_kv_buffer``) is where the batch keeps its K/V; without one, the batch takes its own when it starts.
+    ``max_new_tokens``, ``sampling_params``, ``stop_at_eos`` and ``stop_token_ids`` (a token id that also ends
+    the row, or None) are one value for all rows or one per row. ``kv_buffer`` (``static_kv_buffer``) is where
+    the batch keeps its K/V; without one, the batch takes its own when it starts.
     """
     B = len(prompts)
     if B == 0:
         raise InvalidInputError("static_generate needs at least one prompt")
     budgets = list(max_new_tokens) if np.ndim(max_new_tokens) else [max_new_tokens] * B
     params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * B
-    if len(budgets) != B or len(params) != B:
-        raise InvalidInputError(f"{B} prompts but {len(budgets)} max_new_tokens and {len(params)} sampling_params")
+    eos_rows = list(stop_at_eos) if isinstance(stop_at_eos, (list, tuple)) else [stop_at_eos] * B
+    stop_rows = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else [stop_token_ids] * B
+    if not len(budgets) == len(params) == len(eos_rows) == len(stop_rows) == B:
+        raise InvalidInputError(f"{B} prompts but {len(budgets)} max_new_tokens, {len(params)} sampling_params, "
+                                f"{len(eos_rows)} stop_at_eos and {len(stop_rows)} stop_token_ids")
     prompts = [check_generation(model, p, m) for p, m in zip(prompts, budgets)]
     samplers = [Sampler(SamplingParams(**p) if isinstance(p, dict) else p or SamplingParams()) for p in params]
     cfg = model.config
@@ -173,7 +178,7 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     cache = StaticBatchCache(kv[0], kv[1])
     logits = static_forward(model, ids, position_ids(key_mask), key_mask, cache)  # prefill: [B, V]
     done = [m == 0 for m in budgets]
-    eos = cfg.eos_token_id if stop_at_eos else None
+    stops = [{t for t in (cfg.eos_token_id if e else None, s) if t is not None} for e, s in zip(eos_rows, stop_rows)]
     next_pos = key_mask.sum(axis=1)  # [B] each row's next real position
     for step in range(steps):
         tokens = np.full(B, pad_id, dtype=np.int64)
@@ -185,7 +190,7 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
             token = samplers[row](logits[row])
             out.output_token_ids[row].append(token)
             tokens[row] = token
-            if token == eos:
+            if token in stops[row]:
                 done[row], out.finish_reasons[row] = True, FinishReason.STOP
             elif len(out.output_token_ids[row]) == budgets[row]:
                 done[row] = True
@@ -229,17 +234,24 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
     """
     from .engine import RequestOutput
 
-    requests = list(requests)
-    if not requests:
-        return [], []
-    columns = max(len(r.prompt_token_ids) for r in requests) + max(r.max_new_tokens for r in requests)
-    kv_buffer = static_kv_buffer(model.config, min(batch_size, len(requests)), columns)  # before the clock starts
-    t0, results, batches = time.perf_counter(), [], []
-    for batch in arrival_batches(requests, batch_size, clock, t0):
+    requests = sorted(requests, key=lambda r: r.arrival_s)
+    errors = {id(r): e for r in requests if (e := _check_request(model, r)) is not None}  # each fails alone
+    valid = [r for r in requests if id(r) not in errors]
+    kv_buffer = None
+    if valid:
+        columns = max(len(r.prompt_token_ids) for r in valid) + max(r.max_new_tokens for r in valid)
+        kv_buffer = static_kv_buffer(model.config, min(batch_size, len(valid)), columns)  # before the clock starts
+    t0, results, batches = time.perf_counter(), {}, []
+    for r in requests:
+        if id(r) in errors:
+            m = SequenceMetrics(arrival_time=t0 + r.arrival_s, token_times=[], finished_time=t0 + r.arrival_s)
+            results[id(r)] = RequestOutput(r.request_id, list(r.prompt_token_ids), [], FinishReason.ERROR,
+                                           f"request {r.request_id!r}: {errors[id(r)]}", m)
+    for batch in arrival_batches(valid, batch_size, clock, t0):
         start = time.perf_counter()
         out = static_generate(model, [r.prompt_token_ids for r in batch], [r.max_new_tokens for r in batch],
-                              [r.sampling_params for r in batch], stop_at_eos=batch[0].stop_at_eos, pad_id=pad_id,
-                              kv_buffer=kv_buffer)
+                              [r.sampling_params for r in batch], stop_at_eos=[r.stop_at_eos for r in batch],
+                              stop_token_ids=[r.stop_token_id for r in batch], pad_id=pad_id, kv_buffer=kv_buffer)
         batches.append({"start_time": start, "step_times": out.step_times, "active_rows": out.active_rows,
                         "batch_size": len(batch), "padded_prompt_len": out.padded_prompt_len,
                         "request_ids": [r.request_id for r in batch]})
@@ -247,6 +259,23 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
             n = len(out.output_token_ids[row])
             m = SequenceMetrics(arrival_time=t0 + r.arrival_s, first_scheduled_time=start,
                                 token_times=out.step_times[:n], finished_time=out.step_times[n - 1] if n else start)
-            results.append(RequestOutput(r.request_id, list(r.prompt_token_ids), out.output_token_ids[row],
-                                         out.finish_reasons[row], None, m))
-    return results, batches
+            results[id(r)] = RequestOutput(r.request_id, list(r.prompt_token_ids), out.output_token_ids[row],
+                                           out.finish_reasons[row], None, m)
+    return [results[id(r)] for r in requests], batches
+
+
+def _check_request(model: GPT2Model, r) -> str | None:
+    """Why static batching cannot serve request ``r`` (the checks of the continuous engine), or None."""
+    try:
+        check_generation(model, r.prompt_token_ids, r.max_new_tokens)
+        p = r.sampling_params
+        if not isinstance(p, SamplingParams):
+            SamplingParams(**(p or {}))
+    except InvalidInputError as e:
+        return str(e)
+    except TypeError as e:  # an unknown sampling parameter name, or sampling_params of the wrong kind
+        return f"bad sampling_params: {e}"
+    s, V = r.stop_token_id, model.config.vocab_size
+    if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < V):
+        return f"stop_token_id must be a token id in [0, {V}), got {s!r}"
+    return None

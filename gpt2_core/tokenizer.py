@@ -43,7 +43,10 @@ class Tokenizer:
         for p in (vocab, merges):
             if not Path(p).is_file():
                 raise CheckpointError(f"{p}: tokenizer file not found")
-        tok = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        try:
+            tok = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+        except Exception as e:  # tokenizers raises a bare Exception for malformed files
+            raise CheckpointError(f"{vocab} + {merges}: not a valid vocab/merges pair ({e})") from None
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         if tok.token_to_id(EOT) is not None:

@@ -69,7 +69,10 @@ class GPT2Model:
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """``token_ids`` as an int64 array [T], or an ``InvalidInputError`` naming what is wrong."""
-        ids = np.asarray(token_ids)
+        try:
+            ids = np.asarray(token_ids)
+        except (ValueError, TypeError) as e:  # e.g. a ragged nested list
+            raise InvalidInputError(f"token_ids must be a 1-D sequence of ints ({e})") from None
         if ids.ndim != 1:
             raise InvalidInputError(f"token_ids must be a 1-D sequence of ints, got shape {ids.shape}")
         if ids.size == 0:
@@ -176,6 +179,8 @@ def params_from_state_dict(state_dict: dict[str, np.ndarray], config: GPT2Config
         if name == "lm_head.weight":
             lm_head = value
             continue
+        if name in flat:  # e.g. both "wte.weight" and "transformer.wte.weight": which one is meant?
+            raise CheckpointError(f"{source}: tensor {name!r} appears twice (with and without 'transformer.')")
         flat[name] = value
 
     shapes = expected_shapes(config)
@@ -223,6 +228,8 @@ def read_state_dict(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         tensors: dict[str, np.ndarray] = {}
         for shard in sorted(set(weight_map.values())):
             tensors.update(load_safetensors(directory / shard))

@@ -18,6 +18,7 @@ Trace format (JSONL, one request per line)::
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -78,15 +79,27 @@ def save_trace(requests, path, with_token_ids: bool = False) -> None:
         d["max_new_tokens"] = int(r.max_new_tokens)
         d["arrival_s"] = float(r.arrival_s)
         sp = r.sampling_params if isinstance(r.sampling_params, dict) else r.sampling_params.__dict__
-        d.update({k: sp[k] for k in SAMPLING_KEYS if sp.get(k) not in (None, 0, 0.0)})
+        defaults = SamplingParams().__dict__
+        d.update({k: sp[k] for k in SAMPLING_KEYS if k in sp and sp[k] != defaults[k]})  # seed 0 is a seed
+        if r.stop_at_eos:  # load_trace's default is False
+            d["stop_at_eos"] = True
+        if r.stop_token_id is not None:
+            d["stop_token_id"] = int(r.stop_token_id)
         lines.append(json.dumps(d))
     Path(path).write_text("\n".join(lines) + "\n")
 
 
 def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos: bool = False) -> list[Request]:
-    """Read a JSONL trace into ``Request``s. Sampling parameters stay a dict, validated by the engine (so one bad
-    line fails alone); a line that is not a JSON object with a prompt is an ``InvalidInputError`` naming it."""
-    requests = []
+    """Read a JSONL trace into ``Request``s, one per line: ``prompt`` (text, needs ``tokenizer``),
+    ``prompt_token_ids`` or ``prompt_len`` (random ids, seeded); ``max_new_tokens`` (default 16); ``arrival_s``
+    (seconds, default 0); optional ``request_id`` (default: the line's index, unique), ``temperature``, ``top_k``,
+    ``top_p``, ``seed``, ``stop_at_eos`` (default ``stop_at_eos``) and ``stop_token_id``.
+
+    A line that breaks the format (not JSON, no prompt, an unknown field, a count or time that is not a number of
+    the right kind, a request_id used twice) is an ``InvalidInputError`` naming ``path:line``. Values the format
+    allows but a model may refuse (sampling parameters, token ids, lengths past the context) are checked by the
+    engine, so such a request fails alone."""
+    requests, seen = [], set()
     for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -96,21 +109,52 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
             raise InvalidInputError(f"{path}:{n}: not valid JSON ({e})") from None
         if not isinstance(d, dict):
             raise InvalidInputError(f"{path}:{n}: expected a JSON object")
+        unknown = sorted(set(d) - TRACE_KEYS)
+        if unknown:
+            raise InvalidInputError(f"{path}:{n}: unknown field(s) {', '.join(map(repr, unknown))}; a line may have "
+                                    f"{', '.join(sorted(TRACE_KEYS))}")
         if "prompt" in d:
             if tokenizer is None:
                 raise InvalidInputError(f"{path}:{n}: a text prompt needs a tokenizer")
+            if not isinstance(d["prompt"], str):
+                raise InvalidInputError(f"{path}:{n}: 'prompt' must be text, got {d['prompt']!r}")
             ids = tokenizer.encode(d["prompt"])
         elif "prompt_token_ids" in d:
-            ids = list(d["prompt_token_ids"])
+            if not isinstance(d["prompt_token_ids"], list):
+                raise InvalidInputError(f"{path}:{n}: 'prompt_token_ids' must be a list of token ids")
+            ids = list(d["prompt_token_ids"])  # the engine checks each id, so one bad line fails alone
         elif "prompt_len" in d:
-            ids = random_prompt(vocab_size, int(d["prompt_len"]), seed * 100_003 + len(requests))
+            ids = random_prompt(vocab_size, _count(d, "prompt_len", path, n, 1), seed * 100_003 + len(requests))
         else:
             raise InvalidInputError(f"{path}:{n}: needs 'prompt', 'prompt_token_ids' or 'prompt_len'")
+        arrival = d.get("arrival_s", 0.0)
+        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) \
+                or arrival < 0:
+            raise InvalidInputError(f"{path}:{n}: 'arrival_s' must be a finite number >= 0, got {arrival!r}")
+        if not isinstance(d.get("stop_at_eos", False), bool):
+            raise InvalidInputError(f"{path}:{n}: 'stop_at_eos' must be true or false, got {d['stop_at_eos']!r}")
+        request_id = d.get("request_id", n - 1)
+        if request_id in seen:
+            raise InvalidInputError(f"{path}:{n}: request_id {request_id!r} is used by an earlier line")
+        seen.add(request_id)
         sampling = {k: d[k] for k in SAMPLING_KEYS if k in d}
-        requests.append(Request(request_id=d.get("request_id", n - 1), prompt_token_ids=ids,
-                                max_new_tokens=d.get("max_new_tokens", 16), sampling_params=sampling or
-                                SamplingParams(), arrival_s=float(d.get("arrival_s", 0.0)), stop_at_eos=stop_at_eos))
+        requests.append(Request(request_id=request_id, prompt_token_ids=ids,
+                                max_new_tokens=_count(d, "max_new_tokens", path, n, 0, default=16),
+                                sampling_params=sampling or SamplingParams(), arrival_s=float(arrival),
+                                stop_at_eos=d.get("stop_at_eos", stop_at_eos), stop_token_id=d.get("stop_token_id")))
     return requests
+
+
+TRACE_KEYS = {"request_id", "prompt", "prompt_token_ids", "prompt_len", "max_new_tokens", "arrival_s",
+              "stop_at_eos", "stop_token_id", *SAMPLING_KEYS}
+
+
+def _count(d: dict, key: str, path, n: int, minimum: int, default: int | None = None) -> int:
+    """``d[key]`` as an integer >= ``minimum`` (``default`` if absent), or an error naming the line."""
+    value = d.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{path}:{n}: '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 # ----------------------------------------------------------------------------------------------------------------

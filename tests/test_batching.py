@@ -622,3 +622,78 @@ def test_bench_padding_reports_both_arms_and_the_two_medians():
     assert out["ratios"] == {"padded_rows_median_speedup": pytest.approx(float(np.median(padded))),
                              "rows_left_alone_median_speedup": pytest.approx(float(np.median(alone)))}
     assert all(r["tokens_per_s"] > 0 for r in out["results"])
+
+
+def test_malformed_requests_fail_alone_and_leave_the_engine_sound():
+    engine = LLMEngine(MODEL, max_num_seqs=2, max_len=16)
+    ok = Request("ok", [1, 2, 3], max_new_tokens=4, stop_at_eos=False)
+    engine.add_request(Request("ragged", [[1, 2], [3]], 3))  # not a 1-D list of ids
+    engine.add_request(Request("scalar", [1, 2], 3, logits_processor=lambda ids, logits: 3.0))
+    engine.add_request(Request("short", [1, 2], 3, logits_processor=lambda ids, logits: logits[:5]))
+    engine.add_request(ok)
+    assert list(engine.stream("ragged")) == []  # finished at once, so the stream ends instead of waiting forever
+    engine.run_until_done()
+    out = {o.request_id: o for o in engine.outputs()}
+    assert out["ragged"].finish_reason is FinishReason.ERROR and "1-D sequence of ints" in out["ragged"].error
+    for rid in ("scalar", "short"):
+        assert out[rid].finish_reason is FinishReason.ERROR and "logits_processor must return" in out[rid].error
+    assert out["ok"].output_token_ids == alone(MODEL, ok)
+    assert engine.store.reserved_tokens() == 0
+    for kwargs, name in [(dict(max_num_seqs=2.5), "max_num_seqs"), (dict(max_num_seqs=0), "max_num_seqs"),
+                         (dict(max_len=8.5), "max_len")]:
+        with pytest.raises(InvalidInputError, match=f"{name} must be a positive integer"):
+            LLMEngine(MODEL, **kwargs)
+
+
+def test_replay_refuses_arrival_times_that_are_not_finite_non_negative_numbers():
+    for bad in (float("nan"), float("inf"), -1.0, None):
+        requests = [Request("a", [1, 2], 3), Request("b", [3, 4], 3, arrival_s=bad)]
+        with pytest.raises(InvalidInputError, match="request 'b': arrival_s must be a finite number >= 0"):
+            replay(LLMEngine(MODEL, max_len=16), requests, clock="steps")
+
+
+def test_static_batching_keeps_each_requests_stop_settings_and_fails_bad_requests_alone():
+    from gpt2_core.static_batching import replay_static
+
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    free_run = kv_cache.generate(MODEL, prompts[0], 8, stop_at_eos=False)
+    stop = free_run[2]  # this token ends request "stop" as soon as it is sampled
+    requests = [Request("stop", prompts[0], 8, stop_at_eos=False, stop_token_id=stop),
+                Request("free", prompts[0], 8, stop_at_eos=False),
+                Request("eos", prompts[1], 8, stop_at_eos=True),
+                Request("oov", [MODEL.config.vocab_size + 1], 8),
+                Request("temp", prompts[2], 8, sampling_params={"temperature": -1})]
+    outs, batches = replay_static(MODEL, requests, batch_size=8, clock="offline")
+    out = {o.request_id: o for o in outs}
+    assert [o.request_id for o in outs] == [r.request_id for r in requests]
+    assert out["stop"].output_token_ids == free_run[:free_run.index(stop) + 1]
+    assert out["stop"].finish_reason is FinishReason.STOP
+    assert out["free"].output_token_ids == free_run and out["free"].finish_reason is FinishReason.LENGTH
+    assert out["eos"].output_token_ids == kv_cache.generate(MODEL, prompts[1], 8, stop_at_eos=True)
+    assert out["oov"].finish_reason is FinishReason.ERROR and "out of range" in out["oov"].error
+    assert out["temp"].finish_reason is FinishReason.ERROR and "temperature" in out["temp"].error
+    assert sum(b["batch_size"] for b in batches) == 3  # the bad ones never took a row
+
+
+def test_trace_keeps_seed_zero_and_stop_settings_and_names_bad_lines(tmp_path):
+    requests = wl.poisson_workload(3, 2.0, TINY.vocab_size, seed=3, prompt_len=(4, 0.5, 1, 8),
+                                   output_len=(4, 0.5, 1, 8))
+    requests[0].sampling_params = SamplingParams(temperature=1.0, seed=0)
+    requests[1].stop_at_eos, requests[1].stop_token_id = True, 7
+    path = tmp_path / "t.jsonl"
+    wl.save_trace(requests, path)
+    back = wl.load_trace(path, TINY.vocab_size)
+    assert back[0].sampling_params == {"temperature": 1.0, "seed": 0}
+    assert (back[1].stop_at_eos, back[1].stop_token_id) == (True, 7) and back[2].stop_at_eos is False
+    for line, message in [('{"prompt_len": -3}', ":1: 'prompt_len' must be an integer >= 1, got -3"),
+                          ('{"prompt_len": 2.9}', "'prompt_len' must be an integer >= 1, got 2.9"),
+                          ('{"prompt_len": 2, "max_new_tokens": "many"}', "'max_new_tokens' must be an integer"),
+                          ('{"prompt_len": 2, "arrival_s": NaN}', "'arrival_s' must be a finite number >= 0"),
+                          ('{"prompt_len": 2, "arrival_s": null}', "'arrival_s' must be a finite number >= 0"),
+                          ('{"prompt_token_ids": 5}', "'prompt_token_ids' must be a list"),
+                          ('{"prompt_len": 2, "temprature": 0.9}', "unknown field\\(s\\) 'temprature'"),
+                          ('{"prompt_len": 2, "stop_at_eos": "no"}', "'stop_at_eos' must be true or false"),
+                          ('{"request_id": 1, "prompt_len": 2}\n{"prompt_len": 2}', ":2: request_id 1 is used")]:
+        path.write_text(line + "\n")
+        with pytest.raises(InvalidInputError, match=message):
+            wl.load_trace(path, TINY.vocab_size)

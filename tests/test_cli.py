@@ -35,6 +35,7 @@ def test_bad_input_is_a_one_line_error(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: temperature must be") and "Traceback" not in r.stderr
     r = run("generate", "Emma", "--max-new-tokens", "100000")
     assert r.returncode == 2 and "more than the context n_ctx" in r.stderr
+    assert r.stdout == ""  # checked before anything is printed
     r = run("generate", "Emma", "--model", str(tmp_path / "missing"))
     assert r.returncode == 2 and "no such file or directory" in r.stderr
 
@@ -70,3 +71,12 @@ def test_bench_writes_json_with_the_documented_shape(tmp_path):
     assert data["machine"]["numpy"] and "blas" in data["machine"]
     import platform  # every benchmark runs with the allocator keeping freed memory, where it can (glibc)
     assert data["machine"]["malloc_keeps_freed_memory"] is (platform.libc_ver()[0] == "glibc" and sys.maxsize > 2**32)
+
+
+def test_a_reader_that_stops_early_ends_generation_quietly():
+    """``generate ... | head -c 10``: the pipe closes under the writer, which stops without a traceback."""
+    cmd = (f"{sys.executable} -m gpt2_core generate 'It is a truth universally acknowledged' --max-new-tokens 200 "
+           f"| head -c 10")
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.stdout == "It is a tr"
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr

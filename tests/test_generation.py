@@ -105,3 +105,22 @@ def test_bad_prompts(model):
     with pytest.raises(InvalidInputError, match="max_new_tokens"):
         gpt2_core.generate(model, [1], -2)
     assert len(gpt2_core.generate(model, list(range(10)), 7, stop_at_eos=False)) == 7  # 10 + 7 - 1 = n_ctx fits
+
+
+def test_sampling_at_a_vanishing_temperature_is_greedy_and_bad_logits_are_refused():
+    logits = np.array([1.0, 5.0, 2.0, 3.0], dtype=np.float32)
+    for seed in range(5):  # logits / 1e-308 overflow: the limit T -> 0, not the first token
+        assert Sampler(SamplingParams(1e-308, seed=seed))(logits) == 1
+    for bad in ([np.nan, 1.0, 2.0], [-np.inf, -np.inf, -np.inf]):
+        with pytest.raises(InvalidInputError, match="NaN or all -inf"):
+            Sampler(SamplingParams(0.7, seed=0))(np.array(bad))
+
+
+def test_a_draw_at_the_top_of_the_unit_interval_never_picks_a_filtered_token():
+    """The cumulative sum of float64 probabilities can end a hair below 1; a draw u just under 1 must still land
+    on a token that has probability, never on a trailing one that top-k set to zero."""
+    logits = np.random.default_rng(0).standard_normal(50257).astype(np.float32)
+    sampler = Sampler(SamplingParams(1.0, top_k=5, seed=0))
+    sampler.rng = type("Top", (), {"random": staticmethod(lambda: 1 - 2.0 ** -53)})()
+    token = sampler(logits)
+    assert sampling_probs(logits, SamplingParams(1.0, top_k=5))[token] > 0

@@ -484,3 +484,33 @@ def test_bench_records_have_the_shape_of_the_other_benches():
     assert len(p["series"]["used_tokens"]) == p["num_steps"]
     rows = block_size_sweep(reqs, small.config, budget_tokens=1024, block_sizes=(1, 16, 256))
     assert rows[0]["internal_fragmentation"] == 0.0 < rows[1]["internal_fragmentation"] < rows[2]["internal_fragmentation"]
+
+
+def test_a_fork_shares_only_what_the_parent_has_written():
+    """The parent has room for 6 tokens but has written 4: the child shares those 4; the room for positions 4-5
+    stays the parent's, so each one's next token is its own."""
+    store = PagedKVStore(CFG, num_blocks=8, block_size=4)
+    H, D = CFG.n_head, CFG.head_dim
+
+    def kv(value, T=1):
+        return np.full((H, T, D), value, np.float32)
+    store.allocate("p", 6)
+    store.update("p", 0, 0, kv(1, 4), kv(1, 4))
+    store.fork("p", "c")
+    assert store.block_table("c") == store.block_table("p")[:1]
+    store.ensure("p", 6)
+    store.update("p", 0, 4, kv(7), kv(7))
+    store.ensure("c", 6)
+    store.update("c", 0, 4, kv(9), kv(9))
+    assert store.read("p", 0, 5)[0][0, :, 0].tolist() == [1, 1, 1, 1, 7]
+    assert store.read("c", 0, 5)[0][0, :, 0].tolist() == [1, 1, 1, 1, 9]
+    store.update("p", 0, 5, kv(8), kv(8))  # position 5 lies in a block of the parent's own
+    assert store.read("c", 0, 5)[1][0, :, 0].tolist() == [1, 1, 1, 1, 9]
+    store.check_invariants()
+    store.free("p")
+    store.free("c")
+    assert store.manager.num_free_blocks == 8
+    with pytest.raises(InvalidInputError, match="num_tokens must be an integer in \\[0, 0\\]"):
+        m = store.manager
+        m.allocate("x", 0)
+        m.fork("x", "y", 3)

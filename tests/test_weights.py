@@ -193,3 +193,66 @@ def test_weights_keep_the_files_values_with_column_major_output_projections(tmp_
                 assert a.flags.c_contiguous, key
     for key, a in loaded.state_dict().items():
         np.testing.assert_array_equal(a, model.state_dict()[key])
+
+
+def rewrite_header(path, edit):
+    """Rewrite a .safetensors file's JSON header with ``edit(header)`` (tensor bytes kept)."""
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+
+
+def test_safetensors_header_entries_are_checked_against_their_bytes(tmp_path, model):
+    path = write_checkpoint(tmp_path, model) / "model.safetensors"
+    original = path.read_bytes()
+    rewrite_header(path, lambda h: h["wpe.weight"].update(dtype="F8_E4M3"))
+    expect_error(r"tensor 'wpe.weight' has dtype 'F8_E4M3', which this package does not read", tmp_path)
+    path.write_bytes(original)
+    rewrite_header(path, lambda h: h["wpe.weight"].update(data_offsets=["a", "b"]))
+    expect_error(r"corrupt header entry for tensor 'wpe.weight'", tmp_path)
+    path.write_bytes(original)
+    rewrite_header(path, lambda h: h["ln_f.bias"].update(shape=[2]))
+    expect_error(r"tensor 'ln_f.bias' has 96 bytes, but shape \[2\] in F32 needs 8", tmp_path)
+
+
+def test_attention_variants_and_bad_fields_in_config_json_are_refused(tmp_path, model):
+    write_checkpoint(tmp_path, model)
+    good = config_json(TINY)
+    for extra, match in [({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True is not "
+                                                                       "supported"),
+                         ({"scale_attn_weights": False}, "scale_attn_weights=False is not supported"),
+                         ({"layer_norm_epsilon": float("nan")}, "layer_norm_epsilon must be a finite number > 0"),
+                         ({"layer_norm_epsilon": -1e-5}, "layer_norm_epsilon must be a finite number > 0"),
+                         ({"vocab_size": "101"}, "vocab_size must be a positive integer, got '101'"),
+                         ({"eos_token_id": "100"}, "eos_token_id must be a token id")]:
+        (tmp_path / "config.json").write_text(json.dumps({**good, **extra}))
+        expect_error(match, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**good, "eos_token_id": [100, 3]}))  # HF allows a list
+    assert gpt2_core.load_model(tmp_path).config.eos_token_id == 100
+
+
+def test_malformed_shard_index_and_tokenizer_files_are_named(tmp_path, model):
+    d = write_checkpoint(tmp_path / "a", model)
+    (d / "model.safetensors").rename(d / "shard.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["shard.safetensors"]}))
+    expect_error(r"index.json: weight_map must map tensor names to shard file names", d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"wte.weight": 5}}))
+    expect_error(r"index.json: weight_map must map tensor names to shard file names", d)
+    from gpt2_core.tokenizer import Tokenizer
+
+    (tmp_path / "vocab.json").write_text('{"a": 0, "b"')
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    with pytest.raises(CheckpointError, match=r"vocab.json \+ .*merges.txt: not a valid vocab/merges pair"):
+        Tokenizer.from_vocab_merges(tmp_path / "vocab.json", tmp_path / "merges.txt")
+
+
+def test_a_tensor_given_twice_is_refused(tmp_path, model):
+    sd = model.state_dict()
+    sd["transformer.wte.weight"] = sd["wte.weight"] + 1
+    expect_error(r"tensor 'wte.weight' appears twice", write_checkpoint(tmp_path, model, sd))
