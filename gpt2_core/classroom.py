@@ -38,6 +38,7 @@ NOTEBOOKS_DIR = PACKAGE_ROOT / "notebooks"
 CHAPTER_GLOB = "[0-9][0-9]_*.ipynb"  # every chapter notebook: 01_naive_forward.ipynb, 02_kv_cache.ipynb, ...
 COURSE_ID = "gpt2-numpy"
 CELL_TIMEOUT = 600  # seconds a single cell may run while grading (nbgrader's default of 30 s is too short)
+STUDENT_ID = r"[A-Za-z0-9_.@-]+"  # what ``Course.submit`` and nbgrader's folder names accept
 
 SOLUTION_BEGIN, SOLUTION_END = "### BEGIN SOLUTION", "### END SOLUTION"
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -218,7 +219,7 @@ class Course:
         assignment = assignment or notebook.stem
         if assignment not in self.assignments:
             raise ClassroomError(f"{notebook}: no chapter called {assignment!r} (chapters: {', '.join(self.assignments)})")
-        if not re.fullmatch(r"[A-Za-z0-9_.@-]+", student):
+        if not re.fullmatch(STUDENT_ID, student):
             raise ClassroomError(f"student id {student!r}: use letters, digits and _ . @ - only")
         dest = self.root / "submitted" / student / assignment / f"{assignment}.ipynb"
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -321,23 +322,39 @@ def release(out=None, notebooks_dir=None, timeout: int = CELL_TIMEOUT) -> Course
 
 def find_submissions(submissions_dir, chapters: list[str]) -> list[tuple[str, str, Path]]:
     """(student, chapter, notebook) for every submitted chapter notebook in a folder laid out as
-    ``<student>/<chapter>.ipynb`` or nbgrader's ``<student>/<chapter>/<chapter>.ipynb``."""
+    ``<student>/<chapter>.ipynb`` or nbgrader's ``<student>/<chapter>/<chapter>.ipynb``.
+
+    Checked before anything is graded: a student folder whose name nbgrader cannot take, and two copies of the same
+    chapter from one student (``alice/01.ipynb`` and ``alice/old/01.ipynb``: which one should count?), are errors
+    that name the files; notebooks outside any student folder, or not named after a chapter, are skipped with a
+    warning."""
     root = Path(submissions_dir)
     if not root.is_dir():
         raise ClassroomError(f"{root}: not a directory of submissions (<student>/<chapter>.ipynb)")
-    found = []
+    for nb in sorted(root.glob("*.ipynb")):
+        print(f"warning: {nb}: not inside a student folder (<student>/<chapter>.ipynb); skipped", file=sys.stderr)
+    found: dict[tuple[str, str], list[Path]] = {}
     for student_dir in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for nb in sorted(student_dir.rglob("*.ipynb")):
             if ".ipynb_checkpoints" in nb.parts:
                 continue
-            if nb.stem in chapters:
-                found.append((student_dir.name, nb.stem, nb))
-            else:
+            if nb.stem not in chapters:
                 print(f"warning: {nb}: not named after a chapter ({', '.join(chapters)}); skipped", file=sys.stderr)
+                continue
+            if not re.fullmatch(STUDENT_ID, student_dir.name):
+                raise ClassroomError(f"{student_dir}: student folder name {student_dir.name!r} cannot be a student "
+                                     "id; rename it using letters, digits and _ . @ - only")
+            found.setdefault((student_dir.name, nb.stem), []).append(nb)
+    copies = {key: paths for key, paths in found.items() if len(paths) > 1}
+    if copies:
+        lines = [f"  {student} / {chapter}: {', '.join(str(p) for p in paths)}"
+                 for (student, chapter), paths in copies.items()]
+        raise ClassroomError("more than one notebook of the same chapter from one student; keep only the one to "
+                             "grade:\n" + "\n".join(lines))
     if not found:
         raise ClassroomError(f"{root}: no submissions found; expected <student>/<chapter>.ipynb with chapter one of "
                              f"{', '.join(chapters)}")
-    return found
+    return [(student, chapter, paths[0]) for (student, chapter), paths in found.items()]
 
 
 def autograde(submissions_dir, out_csv=None, course_dir=None, notebooks_dir=None,
@@ -350,9 +367,10 @@ def autograde(submissions_dir, out_csv=None, course_dir=None, notebooks_dir=None
         raise ClassroomError(f"{submissions_dir}: not a directory of submissions (<student>/<chapter>.ipynb)")
     if course_dir and (Path(course_dir) / "gradebook.db").exists():
         course = Course(Path(course_dir).resolve())
-    else:
+        subs = find_submissions(submissions_dir, course.assignments)
+    else:  # the submissions are checked before the (slow) release
+        subs = find_submissions(submissions_dir, [p.stem for p in chapter_notebooks(notebooks_dir)])
         course = release(course_dir, notebooks_dir, timeout=timeout)
-    subs = find_submissions(submissions_dir, course.assignments)
     for student, chapter, nb in subs:
         course.submit(student, nb, chapter)
     failed = []

@@ -95,6 +95,9 @@ def keep_freed_memory() -> bool:
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls (one call, no warmup, when grading)."""
+    for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise ValueError(f"median_time: {name} must be an integer >= {least}, got {value!r}")
     if GRADING:
         repeats, warmup = 1, 0
     for _ in range(warmup):
@@ -109,14 +112,17 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
 
 def peak_memory(fn: Callable[[], object]) -> tuple[int, object]:
     """Peak bytes allocated while ``fn()`` runs (NumPy reports its buffers to tracemalloc), and its result."""
-    tracemalloc.start()
+    started_here = not tracemalloc.is_tracing()  # a caller already tracing keeps its tracing on
+    if started_here:
+        tracemalloc.start()
     tracemalloc.reset_peak()
     try:
         base = tracemalloc.get_traced_memory()[0]
         result = fn()
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
-        tracemalloc.stop()
+        if started_here:
+            tracemalloc.stop()
     return peak, result
 
 

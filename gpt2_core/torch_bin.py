@@ -211,9 +211,16 @@ def _read_zip(path: Path):
 
 def _read_legacy(path: Path, data: bytes):
     stream, storage_types = io.BytesIO(data), {}  # BytesIO shares `data`'s buffer, no copy
-    header = [_unpickle(stream, path, storage_types, "header") for _ in range(3)]
-    if header[0] != LEGACY_MAGIC:
-        raise CheckpointError(f"{path}: not a PyTorch checkpoint (neither a zip archive nor torch's legacy format)")
+    not_torch = f"{path}: not a PyTorch checkpoint (neither a zip archive nor torch's legacy format)"
+    if data[:1] != b"\x80":  # a legacy file opens with a pickle of protocol >= 2, whose first byte is PROTO (0x80)
+        raise CheckpointError(f"{not_torch}; it starts with {data[:16]!r}")
+    try:
+        magic = _unpickle(stream, path, storage_types, "header")
+    except CheckpointError as e:
+        raise CheckpointError(f"{not_torch}: its first pickle does not load ({e.__cause__ or e})") from e
+    if magic != LEGACY_MAGIC:
+        raise CheckpointError(not_torch)
+    header = [magic] + [_unpickle(stream, path, storage_types, "header") for _ in range(2)]
     if header[1] != LEGACY_PROTOCOL:
         raise CheckpointError(f"{path}: unsupported legacy protocol version (expected 1001)")
     if not isinstance(header[2], dict) or not header[2].get("little_endian", True):

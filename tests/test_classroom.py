@@ -413,3 +413,34 @@ def test_cli_release_autograde_and_grades(tmp_path):
     assert re.search(r"course directory: (\S+)", out).group(1) == str((tmp_path / "course").resolve())
     again = run_cli("grades", "--course", tmp_path / "course", cwd=tmp_path)
     assert again.splitlines()[:5] == out.splitlines()[:5]
+
+
+def test_find_submissions_refuses_two_copies_and_bad_student_folders_before_any_grading(tmp_path, capsys):
+    chapters = ["01_small", "02_other"]
+    subs = tmp_path / "subs"
+    for rel in ("ada/01_small.ipynb", "ada/02_other/02_other.ipynb", "bob/01_small.ipynb", "bob/notes.ipynb",
+                "loose.ipynb"):
+        (subs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (subs / rel).write_text("{}")
+    found = classroom.find_submissions(subs, chapters)
+    assert [(s, c, p.relative_to(subs).as_posix()) for s, c, p in found] == [
+        ("ada", "01_small", "ada/01_small.ipynb"), ("ada", "02_other", "ada/02_other/02_other.ipynb"),
+        ("bob", "01_small", "bob/01_small.ipynb")]
+    err = capsys.readouterr().err
+    assert "loose.ipynb: not inside a student folder" in err and "notes.ipynb: not named after a chapter" in err
+
+    (subs / "ada" / "old").mkdir()
+    (subs / "ada" / "old" / "01_small.ipynb").write_text("{}")  # a stray earlier copy: which one counts?
+    with pytest.raises(classroom.ClassroomError, match="more than one notebook") as info:
+        classroom.find_submissions(subs, chapters)
+    assert "ada / 01_small" in str(info.value) and "old" in str(info.value)
+    (subs / "ada" / "old" / "01_small.ipynb").unlink()
+
+    (subs / "carl smith").mkdir()
+    (subs / "carl smith" / "01_small.ipynb").write_text("{}")
+    with pytest.raises(classroom.ClassroomError, match="'carl smith' cannot be a student id"):
+        classroom.find_submissions(subs, chapters)
+    # autograde checks the folder before it makes a course (release runs nbgrader: slow): nothing is created
+    with pytest.raises(classroom.ClassroomError, match="cannot be a student id"):
+        classroom.autograde(subs, course_dir=tmp_path / "course", notebooks_dir=small_chapter(tmp_path / "ch").parent)
+    assert not (tmp_path / "course").exists()

@@ -78,3 +78,32 @@ def test_keeping_freed_memory_stops_the_page_faults_of_repeated_temporaries():
     assert kept and out[3:] == ["False", "True"]  # and machine_info() records it
     assert before >= 100, before  # 30,000 here (4 KiB pages); fewer, but still many, with huge pages
     assert after < before / 100, (before, after)
+
+
+@pytest.mark.parametrize("kwargs, named", [({"repeats": 0}, "repeats"), ({"repeats": -1}, "repeats"),
+                                           ({"repeats": 2.5}, "repeats"), ({"repeats": True}, "repeats"),
+                                           ({"warmup": -1}, "warmup"), ({"warmup": 1.0}, "warmup")])
+def test_median_time_refuses_counts_that_time_nothing(kwargs, named):
+    from gpt2_core import measure
+
+    calls = []
+    with pytest.raises(ValueError, match=f"median_time: {named} must be an integer"):
+        measure.median_time(lambda: calls.append(1), **kwargs)
+    assert calls == []  # refused before anything ran
+
+
+def test_peak_memory_leaves_a_callers_tracing_on():
+    import tracemalloc
+
+    import numpy as np
+
+    from gpt2_core import measure
+
+    peak, result = measure.peak_memory(lambda: np.ones(2**20, dtype=np.float32).sum())
+    assert peak >= 4 * 2**20 and result == 2**20 and not tracemalloc.is_tracing()
+    tracemalloc.start()
+    try:
+        measure.peak_memory(lambda: np.ones(10))
+        assert tracemalloc.is_tracing()  # the caller's own tracing survives the measurement
+    finally:
+        tracemalloc.stop()

@@ -193,9 +193,11 @@ def test_missing_and_empty_files(tmp_path):
 
 def test_not_a_checkpoint(tmp_path):
     (tmp_path / "notes.bin").write_text("hello, this is text\n")
-    raises_for(tmp_path / "notes.bin", "corrupt")
+    raises_for(tmp_path / "notes.bin", "not a PyTorch checkpoint", "hello, this")
     (tmp_path / "int.bin").write_bytes(pickle.dumps(12345, protocol=2))
-    raises_for(tmp_path / "int.bin")
+    raises_for(tmp_path / "int.bin", "not a PyTorch checkpoint")
+    (tmp_path / "broken.bin").write_bytes(b"\x80\x02\xff\xff garbage")  # a pickle opcode, then nonsense
+    raises_for(tmp_path / "broken.bin", "not a PyTorch checkpoint", "first pickle does not load")
 
 
 def test_truncated_zip(tmp_path):
