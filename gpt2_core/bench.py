@@ -99,6 +99,33 @@ def gemv_chain_seconds(model: GPT2Model, repeats: int = 3) -> float:
     return median_time(chain, repeats=repeats)
 
 
+STEP_MATRIX_KINDS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # each block's, in step_weights order
+
+
+def gemv_chain_by_kind(model: GPT2Model, repeats: int = 5) -> dict[str, float]:
+    """Bytes/s of each kind of matrix inside the GEMV chain: every call of ``decode_gemvs`` timed on its own, in
+    the step's order (so each matrix is read cold, as in a real step), the median of ``repeats`` chains per call,
+    summed per kind (the 12 blocks' ``attn.c_attn``, ..., and the ``lm_head``). Beside it, ``bound``: the one
+    head-shaped GEMV of ``gemv_bandwidth``, measured just before. Shows which shapes hold the chain back."""
+    gemvs = decode_gemvs(model)
+    kinds = [STEP_MATRIX_KINDS[i % 4] for i in range(len(gemvs) - 1)] + ["lm_head"]
+    bound = gemv_bandwidth(repeats=3)
+    calls = np.empty((repeats, len(gemvs)))
+    for r in range(repeats + 1):  # the first chain warms up, untimed
+        for i, (v, w) in enumerate(gemvs):
+            t0 = time.perf_counter()
+            v @ w
+            if r:
+                calls[r - 1, i] = time.perf_counter() - t0
+    seconds = np.median(calls, axis=0)  # [calls]
+    out = {"bound": bound}
+    for kind in dict.fromkeys(kinds):
+        mine = [i for i, k in enumerate(kinds) if k == kind]
+        out[kind] = sum(gemvs[i][1].nbytes for i in mine) / float(seconds[mine].sum())
+    out["chain"] = sum(w.nbytes for _, w in gemvs) / float(seconds.sum())
+    return out
+
+
 class DecodeBeside(NamedTuple):
     """One moment's batch-1 decode speed and the two ceilings it is compared with, in tokens/s."""
 
@@ -239,6 +266,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     results.append({"method": "kv_cache", "phase": "prefill", "batch": 1, "prompt_len": prefill_len,
                     "tokens_per_s": prefill_len / t_prefill, "seconds": t_prefill})
     profile = profile_decode_step(model, positions[-1] // 2)
+    by_kind = [gemv_chain_by_kind(model) for _ in range(3 if quick else 9)]  # bytes/s per round
     ratios = {
         "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],
         "kv_cache_over_hf": None if hf_tps is None else decode_tps / hf_tps,
@@ -247,7 +275,8 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
         "kv_cache_fraction_of_gemv_chain": float(np.median([p.decode / p.chain for p in pairs])),
     }
     return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
-            "results": results, "ratios": ratios, "profile_ms_per_step": profile}
+            "results": results, "ratios": ratios, "profile_ms_per_step": profile,
+            "gemv_bytes_per_s_by_kind": by_kind}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -387,3 +416,8 @@ def _print_summary(out: dict) -> None:
         w("  where a decode step's time goes (ms per step, all layers):\n")
         for k, v in out["profile_ms_per_step"].items():
             w(f"    {k:26s} {v:7.2f} ms  {100 * v / total:5.1f}%\n")
+    if "gemv_bytes_per_s_by_kind" in out:
+        rounds = out["gemv_bytes_per_s_by_kind"]
+        w("  GEMV bandwidth by matrix kind inside the chain, GB/s per round (bound: one head-shaped GEMV):\n")
+        for k in rounds[0]:
+            w(f"    {k:12s} " + " ".join(f"{r[k] / 1e9:5.1f}" for r in rounds) + "\n")

@@ -67,6 +67,16 @@ def test_bench_writes_json_with_the_documented_shape(tmp_path):
         assert ratios[name] == pytest.approx(statistics.median(p[f"{num}_tokens_per_s"] / p[f"{den}_tokens_per_s"]
                                                                for p in pairs)), name
     chain = next(r for r in data["results"] if r["method"] == "gemv_chain")
+    # bandwidth by matrix kind inside the chain: the chain's own figure is their bytes over their summed times
+    E, V, L = 768, 50257, 12
+    kind_bytes = {"attn.c_attn": L * E * 3 * E * 4, "attn.c_proj": L * E * E * 4, "mlp.c_fc": L * E * 4 * E * 4,
+                  "mlp.c_proj": L * 4 * E * E * 4, "lm_head": E * V * 4}
+    rounds = data["gemv_bytes_per_s_by_kind"]
+    assert len(rounds) >= 3
+    for by_kind in rounds:
+        assert set(by_kind) == {"bound", "chain", *kind_bytes} and all(v > 0 for v in by_kind.values())
+        seconds = sum(b / by_kind[k] for k, b in kind_bytes.items())
+        assert by_kind["chain"] == pytest.approx(sum(kind_bytes.values()) / seconds)
     assert chain["tokens_per_s"] == pytest.approx(statistics.median(p["gemv_chain_tokens_per_s"] for p in pairs))
     assert data["machine"]["numpy"] and "blas" in data["machine"]
     import platform  # every benchmark runs with the allocator keeping freed memory, where it can (glibc)
