@@ -216,6 +216,67 @@ def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> di
     return ms
 
 
+def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> dict[str, float]:
+    """``profile_decode_step``'s parts, timed inside real ``kv_cache.decode_step`` calls at ``position``: median
+    milliseconds per step of each part, plus ``everything else`` (Python, residual adds, ``np.split``, writing the
+    cache, the embedding, the checks), the step's time less its timed parts.
+
+    Inside a step every part runs right after megabytes of weights have streamed through the caches, so the small
+    operations find their data and code evicted; alone, as ``profile_decode_step`` times them, they run warm. For
+    the step's length chapter 1's functions are wrapped with a timer where ``kv_cache`` and ``model`` look them up,
+    and put back after; each part's time excludes the timed parts it calls (the head's layer norm counts as a
+    layer norm). A GEMV's part includes its bias add."""
+    from . import model as model_module
+
+    c = model.config
+    gemv_names = {(c.n_embd, 3 * c.n_embd): "c_attn (E x 3E)", (c.n_embd, c.n_embd): "attn c_proj (E x E)",
+                  (c.n_embd, 4 * c.n_embd): "mlp c_fc (E x 4E)", (4 * c.n_embd, c.n_embd): "mlp c_proj (4E x E)"}
+    names = [*gemv_names.values(), "attention over the cache", "layer norms + GELU", "lm head (E x V)"]
+    spent: dict[str, float] = {}
+    children = [0.0]  # time of the timed parts running inside the current one
+
+    def timed(fn, name_of):
+        def wrapper(*args, **kwargs):
+            outer, children[0] = children[0], 0.0
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - t0
+                name = name_of(*args, **kwargs)
+                spent[name] = spent.get(name, 0.0) + elapsed - children[0]
+                children[0] = outer + elapsed
+        return wrapper
+
+    patches = [(kv_cache, "linear", lambda x, weight, bias: gemv_names[weight.shape]),
+               (model_module, "linear", lambda x, weight, bias: gemv_names[weight.shape]),
+               (kv_cache, "attention", lambda *a: "attention over the cache"),
+               (kv_cache, "layer_norm", lambda *a, **k: "layer norms + GELU"),
+               (model_module, "gelu", lambda *a: "layer norms + GELU"),
+               (kv_cache, "lm_head_fast", lambda *a: "lm head (E x V)")]
+    rng = np.random.default_rng(4)
+    _, cache = kv_cache.prefill(model, rng.integers(0, c.vocab_size, size=position), capacity=position + 1,
+                                last_only=True)
+    originals = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
+    per_step = []
+    try:
+        for module, attr, name_of in patches:
+            setattr(module, attr, timed(getattr(module, attr), name_of))
+        for step in range(steps + 1):  # the first step warms up
+            spent.clear()
+            cache.length = position  # the same position every step
+            t0 = time.perf_counter()
+            kv_cache.decode_step(model, int(rng.integers(c.vocab_size)), cache)
+            total = time.perf_counter() - t0
+            if step:
+                per_step.append({**{n: spent.get(n, 0.0) for n in names},
+                                 "everything else": total - sum(spent.values())})
+    finally:
+        for module, attr, fn in originals:
+            setattr(module, attr, fn)
+    return {name: 1e3 * float(np.median([s[name] for s in per_step])) for name in per_step[0]}
+
+
 def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     model = random_model("gpt2", seed=0)
     threads = threads or _current_blas_threads()
@@ -266,6 +327,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     results.append({"method": "kv_cache", "phase": "prefill", "batch": 1, "prompt_len": prefill_len,
                     "tokens_per_s": prefill_len / t_prefill, "seconds": t_prefill})
     profile = profile_decode_step(model, positions[-1] // 2)
+    profile_in_step = profile_decode_in_step(model, positions[-1] // 2)
     by_kind = [gemv_chain_by_kind(model) for _ in range(3 if quick else 9)]  # bytes/s per round
     ratios = {
         "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],
@@ -276,6 +338,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     }
     return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
             "results": results, "ratios": ratios, "profile_ms_per_step": profile,
+            "profile_in_step_ms_per_step": profile_in_step,
             "gemv_bytes_per_s_by_kind": by_kind}
 
 
@@ -416,6 +479,11 @@ def _print_summary(out: dict) -> None:
         w("  where a decode step's time goes (ms per step, all layers):\n")
         for k, v in out["profile_ms_per_step"].items():
             w(f"    {k:26s} {v:7.2f} ms  {100 * v / total:5.1f}%\n")
+    if "profile_in_step_ms_per_step" in out:
+        alone = out.get("profile_ms_per_step", {})
+        w("  the same parts timed inside real decode steps (ms per step; alone, as above, in brackets):\n")
+        for k, v in out["profile_in_step_ms_per_step"].items():
+            w(f"    {k:26s} {v:7.2f} ms" + (f"  ({alone[k]:.2f})" if k in alone else "") + "\n")
     if "gemv_bytes_per_s_by_kind" in out:
         rounds = out["gemv_bytes_per_s_by_kind"]
         w("  GEMV bandwidth by matrix kind inside the chain, GB/s per round (bound: one head-shaped GEMV):\n")

@@ -157,3 +157,23 @@ def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
     assert gemvs[-1][1] is model.lm_head_weight()
     assert all(v.shape == (1, w.shape[0]) for v, w in gemvs)
     assert gemv_chain_seconds(model, repeats=1) > 0
+
+
+def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monkeypatch):
+    from gpt2_core import GPT2Config, bench, model as model_module, random_model
+
+    config = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_head=2, n_layer=2)
+    m = random_model(config, seed=0)
+    profile = bench.profile_decode_in_step(m, position=20, steps=3)
+    assert list(profile) == ["c_attn (E x 3E)", "attn c_proj (E x E)", "mlp c_fc (E x 4E)", "mlp c_proj (4E x E)",
+                             "attention over the cache", "layer norms + GELU", "lm head (E x V)", "everything else"]
+    assert all(ms > 0 for ms in profile.values()), profile  # every part ran and was timed, none double counted
+    assert kv.linear is model_module.linear and kv.attention is model_module.attention
+    assert kv.layer_norm is model_module.layer_norm and kv.lm_head_fast.__name__ == "lm_head_fast"
+
+    def broken(*args):
+        raise RuntimeError("a step that fails")
+    monkeypatch.setattr(kv, "decode_step", broken)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        bench.profile_decode_in_step(m, position=20, steps=3)
+    assert kv.linear is model_module.linear and model_module.gelu.__name__ == "gelu"  # put back all the same
