@@ -107,6 +107,8 @@ def gemv_chain_by_kind(model: GPT2Model, repeats: int = 5) -> dict[str, float]:
     the step's order (so each matrix is read cold, as in a real step), the median of ``repeats`` chains per call,
     summed per kind (the 12 blocks' ``attn.c_attn``, ..., and the ``lm_head``). Beside it, ``bound``: the one
     head-shaped GEMV of ``gemv_bandwidth``, measured just before. Shows which shapes hold the chain back."""
+    if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+        raise ValueError(f"gemv_chain_by_kind: repeats must be an integer >= 1, got {repeats!r}")
     gemvs = decode_gemvs(model)
     kinds = [STEP_MATRIX_KINDS[i % 4] for i in range(len(gemvs) - 1)] + ["lm_head"]
     bound = gemv_bandwidth(repeats=3)
@@ -219,34 +221,55 @@ def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> di
 def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> dict[str, float]:
     """``profile_decode_step``'s parts, timed inside real ``kv_cache.decode_step`` calls at ``position``: median
     milliseconds per step of each part, plus ``everything else`` (Python, residual adds, ``np.split``, writing the
-    cache, the embedding, the checks), the step's time less its timed parts.
+    cache, the embedding, the checks), the step's time less its timed parts and less the timers' own cost.
 
     Inside a step every part runs right after megabytes of weights have streamed through the caches, so the small
     operations find their data and code evicted; alone, as ``profile_decode_step`` times them, they run warm. For
     the step's length chapter 1's functions are wrapped with a timer where ``kv_cache`` and ``model`` look them up,
-    and put back after; each part's time excludes the timed parts it calls (the head's layer norm counts as a
-    layer norm). A GEMV's part includes its bias add."""
+    and put back after; each part's time excludes the timed parts it calls. Two differences from the parts timed
+    alone: a GEMV's part includes its bias add, and the layer norms include the head's (2L + 1 of them). The cost
+    of a timer outside its own window (about a microsecond, measured on a no-op before the steps) is taken off
+    ``everything else``, once per timed call."""
     from . import model as model_module
 
     c = model.config
+    for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("steps", steps, 1, None)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low or \
+                (high is not None and value > high):
+            raise ValueError(f"profile_decode_in_step: {name} must be an integer from {low}"
+                             f"{f' to {high}' if high is not None else ''}, got {value!r}")
     gemv_names = {(c.n_embd, 3 * c.n_embd): "c_attn (E x 3E)", (c.n_embd, c.n_embd): "attn c_proj (E x E)",
                   (c.n_embd, 4 * c.n_embd): "mlp c_fc (E x 4E)", (4 * c.n_embd, c.n_embd): "mlp c_proj (4E x E)"}
     names = [*gemv_names.values(), "attention over the cache", "layer norms + GELU", "lm head (E x V)"]
     spent: dict[str, float] = {}
     children = [0.0]  # time of the timed parts running inside the current one
+    calls = [0]
 
     def timed(fn, name_of):
         def wrapper(*args, **kwargs):
+            name = name_of(*args, **kwargs)
+            calls[0] += 1
             outer, children[0] = children[0], 0.0
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - t0
-                name = name_of(*args, **kwargs)
                 spent[name] = spent.get(name, 0.0) + elapsed - children[0]
                 children[0] = outer + elapsed
         return wrapper
+
+    def timer_cost(n: int = 2000) -> float:  # seconds a timed call costs outside its own window
+        probe = timed(lambda: None, lambda: "probe")
+        t0 = time.perf_counter()
+        for _ in range(n):
+            pass
+        loop = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(n):
+            probe()
+        wrapped = time.perf_counter() - t0
+        return max(0.0, (wrapped - loop - spent.pop("probe")) / n)
 
     patches = [(kv_cache, "linear", lambda x, weight, bias: gemv_names[weight.shape]),
                (model_module, "linear", lambda x, weight, bias: gemv_names[weight.shape]),
@@ -257,6 +280,7 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
     rng = np.random.default_rng(4)
     _, cache = kv_cache.prefill(model, rng.integers(0, c.vocab_size, size=position), capacity=position + 1,
                                 last_only=True)
+    overhead = timer_cost()
     originals = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
     per_step = []
     try:
@@ -264,13 +288,14 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
             setattr(module, attr, timed(getattr(module, attr), name_of))
         for step in range(steps + 1):  # the first step warms up
             spent.clear()
+            calls[0] = 0
             cache.length = position  # the same position every step
             t0 = time.perf_counter()
             kv_cache.decode_step(model, int(rng.integers(c.vocab_size)), cache)
             total = time.perf_counter() - t0
             if step:
                 per_step.append({**{n: spent.get(n, 0.0) for n in names},
-                                 "everything else": total - sum(spent.values())})
+                                 "everything else": total - sum(spent.values()) - calls[0] * overhead})
     finally:
         for module, attr, fn in originals:
             setattr(module, attr, fn)
@@ -481,7 +506,8 @@ def _print_summary(out: dict) -> None:
             w(f"    {k:26s} {v:7.2f} ms  {100 * v / total:5.1f}%\n")
     if "profile_in_step_ms_per_step" in out:
         alone = out.get("profile_ms_per_step", {})
-        w("  the same parts timed inside real decode steps (ms per step; alone, as above, in brackets):\n")
+        w("  the same parts timed inside real decode steps (ms per step; alone, as above, in brackets; in a step\n"
+          "  each GEMV includes its bias add and the layer norms include the head's):\n")
         for k, v in out["profile_in_step_ms_per_step"].items():
             w(f"    {k:26s} {v:7.2f} ms" + (f"  ({alone[k]:.2f})" if k in alone else "") + "\n")
     if "gemv_bytes_per_s_by_kind" in out:

@@ -111,7 +111,10 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
 
 
 def peak_memory(fn: Callable[[], object]) -> tuple[int, object]:
-    """Peak bytes allocated while ``fn()`` runs (NumPy reports its buffers to tracemalloc), and its result."""
+    """Peak bytes allocated while ``fn()`` runs (NumPy reports its buffers to tracemalloc), and its result.
+
+    A caller already tracing keeps its tracing on, but tracemalloc has one peak: the caller's recorded peak is
+    reset here."""
     started_here = not tracemalloc.is_tracing()  # a caller already tracing keeps its tracing on
     if started_here:
         tracemalloc.start()

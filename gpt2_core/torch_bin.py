@@ -212,12 +212,11 @@ def _read_zip(path: Path):
 def _read_legacy(path: Path, data: bytes):
     stream, storage_types = io.BytesIO(data), {}  # BytesIO shares `data`'s buffer, no copy
     not_torch = f"{path}: not a PyTorch checkpoint (neither a zip archive nor torch's legacy format)"
-    if data[:1] != b"\x80":  # a legacy file opens with a pickle of protocol >= 2, whose first byte is PROTO (0x80)
-        raise CheckpointError(f"{not_torch}; it starts with {data[:16]!r}")
-    try:
+    try:  # a legacy file opens with a pickled magic number (any pickle protocol)
         magic = _unpickle(stream, path, storage_types, "header")
     except CheckpointError as e:
-        raise CheckpointError(f"{not_torch}: its first pickle does not load ({e.__cause__ or e})") from e
+        raise CheckpointError(f"{not_torch}: it starts with {data[:16]!r}, which does not load as a pickle "
+                              f"({e.__cause__ or e})") from e
     if magic != LEGACY_MAGIC:
         raise CheckpointError(not_torch)
     header = [magic] + [_unpickle(stream, path, storage_types, "header") for _ in range(2)]

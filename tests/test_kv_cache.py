@@ -160,6 +160,8 @@ def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
 
 
 def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monkeypatch):
+    import time
+
     from gpt2_core import GPT2Config, bench, model as model_module, random_model
 
     config = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_head=2, n_layer=2)
@@ -167,13 +169,28 @@ def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monk
     profile = bench.profile_decode_in_step(m, position=20, steps=3)
     assert list(profile) == ["c_attn (E x 3E)", "attn c_proj (E x E)", "mlp c_fc (E x 4E)", "mlp c_proj (4E x E)",
                              "attention over the cache", "layer norms + GELU", "lm head (E x V)", "everything else"]
-    assert all(ms > 0 for ms in profile.values()), profile  # every part ran and was timed, none double counted
+    assert all(ms > 0 for ms in profile.values()), profile  # every part ran and was timed
     assert kv.linear is model_module.linear and kv.attention is model_module.attention
     assert kv.layer_norm is model_module.layer_norm and kv.lm_head_fast.__name__ == "lm_head_fast"
+
+    # each part's time excludes the timed parts it calls: the head calls a layer norm, made 5 ms slower here
+    def slow_layer_norm(*args, **kwargs):
+        time.sleep(0.005)
+        return model_module.layer_norm(*args, **kwargs)
+    monkeypatch.setattr(kv, "layer_norm", slow_layer_norm)
+    profile = bench.profile_decode_in_step(m, position=20, steps=3)
+    assert profile["layer norms + GELU"] >= 5 * (2 * config.n_layer + 1)  # ms: 2 per block, and the head's
+    assert profile["lm head (E x V)"] < 2 and profile["everything else"] < 2, profile  # none of it counted twice
 
     def broken(*args):
         raise RuntimeError("a step that fails")
     monkeypatch.setattr(kv, "decode_step", broken)
     with pytest.raises(RuntimeError, match="a step that fails"):
         bench.profile_decode_in_step(m, position=20, steps=3)
-    assert kv.linear is model_module.linear and model_module.gelu.__name__ == "gelu"  # put back all the same
+    assert kv.layer_norm is slow_layer_norm and kv.linear is model_module.linear  # put back all the same
+    assert model_module.gelu.__name__ == "gelu"
+    for bad in ({"position": 0}, {"position": 64}, {"steps": 0}, {"steps": 2.0}):
+        with pytest.raises(ValueError, match=f"profile_decode_in_step: {next(iter(bad))} must be"):
+            bench.profile_decode_in_step(m, **{"position": 20, "steps": 3, **bad})
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        bench.gemv_chain_by_kind(m, repeats=0)

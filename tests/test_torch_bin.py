@@ -197,7 +197,20 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "int.bin").write_bytes(pickle.dumps(12345, protocol=2))
     raises_for(tmp_path / "int.bin", "not a PyTorch checkpoint")
     (tmp_path / "broken.bin").write_bytes(b"\x80\x02\xff\xff garbage")  # a pickle opcode, then nonsense
-    raises_for(tmp_path / "broken.bin", "not a PyTorch checkpoint", "first pickle does not load")
+    raises_for(tmp_path / "broken.bin", "not a PyTorch checkpoint", "does not load as a pickle")
+
+
+def test_a_legacy_file_saved_with_pickle_protocol_1_loads(tmp_path):
+    """torch.save(..., pickle_protocol=1, _use_new_zipfile_serialization=False) is legal: its first byte is not
+    protocol 2's 0x80, and it is still a checkpoint."""
+    from gpt2_core.torch_bin import LEGACY_MAGIC
+
+    data = (FIXTURES / "tiny_legacy.bin").read_bytes()
+    first = pickle.dumps(LEGACY_MAGIC, protocol=2)
+    assert data.startswith(first)
+    (tmp_path / "p1.bin").write_bytes(pickle.dumps(LEGACY_MAGIC, protocol=1) + data[len(first):])
+    got, want = load_torch_bin(tmp_path / "p1.bin"), load_torch_bin(FIXTURES / "tiny_legacy.bin")
+    assert list(got) == list(want) and all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_truncated_zip(tmp_path):
