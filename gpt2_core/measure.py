@@ -93,10 +93,17 @@ def keep_freed_memory() -> bool:
     return _freed_memory_kept
 
 
+def is_count(value, least: int, most: int | None = None) -> bool:
+    """``value`` is a whole number (a Python or NumPy integer, not a bool) from ``least`` to ``most``: the check of
+    every measuring function's counts (repeats, steps, positions)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= least
+            and (most is None or value <= most))
+
+
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls (one call, no warmup, when grading)."""
     for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        if not is_count(value, least):
             raise ValueError(f"median_time: {name} must be an integer >= {least}, got {value!r}")
     if GRADING:
         repeats, warmup = 1, 0

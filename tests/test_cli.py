@@ -67,12 +67,12 @@ def test_bench_writes_json_with_the_documented_shape(tmp_path):
         assert ratios[name] == pytest.approx(statistics.median(p[f"{num}_tokens_per_s"] / p[f"{den}_tokens_per_s"]
                                                                for p in pairs)), name
     chain = next(r for r in data["results"] if r["method"] == "gemv_chain")
+    # the step's parts timed alone and inside real steps: the same names, plus what the timed parts leave
+    assert set(data["profile_in_step_ms_per_step"]) == set(data["profile_ms_per_step"]) | {"everything else"}
     # bandwidth by matrix kind inside the chain: the chain's own figure is their bytes over their summed times
     E, V, L = 768, 50257, 12
     kind_bytes = {"attn.c_attn": L * E * 3 * E * 4, "attn.c_proj": L * E * E * 4, "mlp.c_fc": L * E * 4 * E * 4,
                   "mlp.c_proj": L * 4 * E * E * 4, "lm_head": E * V * 4}
-    # the step's parts timed alone and inside real steps: the same names, plus what the timed parts leave
-    assert set(data["profile_in_step_ms_per_step"]) == set(data["profile_ms_per_step"]) | {"everything else"}
     rounds = data["gemv_bytes_per_s_by_kind"]
     assert len(rounds) >= 3
     for by_kind in rounds:
