@@ -18,7 +18,8 @@ import numpy as np
 from . import kv_cache
 from .config import GPT2Config
 from .generation import next_token_logits
-from .measure import QUICK, blas_threads, is_count, machine_info, median_time
+from .errors import is_integer
+from .measure import QUICK, blas_threads, machine_info, median_time
 from .weights import GPT2Model, random_model
 
 
@@ -107,7 +108,7 @@ def gemv_chain_by_kind(model: GPT2Model, repeats: int = 5) -> dict[str, float]:
     the step's order (so each matrix is read cold, as in a real step), the median of ``repeats`` chains per call,
     summed per kind (the 12 blocks' ``attn.c_attn``, ..., and the ``lm_head``). Beside it, ``bound``: the one
     head-shaped GEMV of ``gemv_bandwidth``, measured just before. Shows which shapes hold the chain back."""
-    if not is_count(repeats, 1):
+    if not is_integer(repeats, 1):
         raise ValueError(f"gemv_chain_by_kind: repeats must be an integer >= 1, got {repeats!r}")
     gemvs = decode_gemvs(model)
     kinds = [STEP_MATRIX_KINDS[i % 4] for i in range(len(gemvs) - 1)] + ["lm_head"]
@@ -234,7 +235,7 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
 
     c = model.config
     for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("steps", steps, 1, None)):
-        if not is_count(value, low, high):
+        if not is_integer(value, low, high):
             raise ValueError(f"profile_decode_in_step: {name} must be an integer from {low}"
                              f"{f' to {high}' if high is not None else ''}, got {value!r}")
     gemv_names = {(c.n_embd, 3 * c.n_embd): "c_attn (E x 3E)", (c.n_embd, c.n_embd): "attn c_proj (E x E)",

@@ -175,7 +175,6 @@ def bench_paged(quick: bool = QUICK, trace: str | None = None) -> dict:
                     all(r.get(k) == v for k, v in kw.items()))
 
     eb_c, eb_p = get("equal_budget", "contiguous"), get("equal_budget", "paged")
-    q_c, q_p = get("equal_batch", "contiguous"), get("equal_batch", "paged")
     ratios = {
         "paged_over_contiguous_max_concurrent_equal_budget": eb_p["max_concurrent"] / eb_c["max_concurrent"],
         "paged_over_contiguous_mean_concurrent_equal_budget": eb_p["mean_concurrent"] / eb_c["mean_concurrent"],

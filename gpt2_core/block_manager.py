@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .errors import CacheCapacityError, InvalidInputError
+from .errors import CacheCapacityError, InvalidInputError, is_integer
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -45,9 +45,9 @@ class BlockAllocator:
     """``num_blocks`` physical blocks: a FIFO free list and a reference count per block."""
 
     def __init__(self, num_blocks: int):
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        if not is_integer(num_blocks, 1):
             raise InvalidInputError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.num_blocks = num_blocks
+        num_blocks = self.num_blocks = int(num_blocks)  # [0] * np.int64(3) would be an array, not a list
         self.ref_count = [0] * num_blocks  # sequences (block tables) that hold each block
         self.free_list = deque(range(num_blocks))  # block 0 is handed out first; freed blocks go to the back
 
@@ -93,10 +93,10 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16):
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not is_integer(block_size, 1):
             raise InvalidInputError(f"block_size must be a positive integer, got {block_size!r}")
         self.allocator = BlockAllocator(num_blocks)
-        self.block_size = block_size
+        self.block_size = int(block_size)
         self.block_tables: dict[object, list[int]] = {}
         self.num_tokens: dict[object, int] = {}
 
@@ -171,7 +171,7 @@ class BlockManager:
             raise InvalidInputError(f"sequence {child!r} already has a block table")
         have = self.num_tokens[parent]
         n = have if num_tokens is None else num_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= have:
+        if not is_integer(n, 0, have):
             raise InvalidInputError(f"fork of {parent!r}: num_tokens must be an integer in [0, {have}], got {n!r}")
         shared = self.block_tables[parent][:blocks_needed(n, self.block_size)]
         for block in shared:

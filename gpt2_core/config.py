@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from .errors import CheckpointError, is_integer, is_real
 
 
 @dataclass(frozen=True)
@@ -23,17 +22,21 @@ class GPT2Config:
     def __post_init__(self):
         for name in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_integer(value, 1):
                 raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # np.int64 -> int: the config is written back as JSON
         if self.n_embd % self.n_head:
             raise CheckpointError(f"config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         eps = self.layer_norm_epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        if not is_real(eps) or eps <= 0:
             raise CheckpointError(f"config: layer_norm_epsilon must be a finite number > 0, got {eps!r}")
+        object.__setattr__(self, "layer_norm_epsilon", float(eps))
         eos = self.eos_token_id
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size):
+        if eos is not None and not is_integer(eos, 0, self.vocab_size - 1):
             raise CheckpointError(f"config: eos_token_id must be a token id in [0, vocab_size={self.vocab_size}), "
                                   f"got {eos!r}")
+        if eos is not None:
+            object.__setattr__(self, "eos_token_id", int(eos))
 
     @property
     def head_dim(self) -> int:

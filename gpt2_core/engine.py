@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, is_integer, is_real
 from .kv_store import ContiguousKVStore, KVStore
 from .model_runner import Chunk, ragged_forward
 from .sampling import Sampler, SamplingParams
@@ -75,7 +75,7 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_len", 1 if max_len is None else max_len)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_integer(value, 1):
                 raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
         if store is None:
             store = ContiguousKVStore(model.config, num_slots=int(max_num_seqs), max_len=max_len)
@@ -137,12 +137,11 @@ class LLMEngine:
         except TypeError as e:  # e.g. an unknown sampling parameter name in a dict
             return f"bad sampling_params: {e}"
         m = r.max_new_tokens
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+        if not is_integer(m, 0):
             return f"max_new_tokens must be an integer >= 0, got {m!r}"
         seq.max_new_tokens = int(m)
         s = r.stop_token_id
-        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer))
-                              or not 0 <= s < cfg.vocab_size):
+        if s is not None and not is_integer(s, 0, cfg.vocab_size - 1):
             return f"stop_token_id must be a token id in [0, {cfg.vocab_size}), got {s!r}"
         return self.scheduler.check_fits(seq)
 
@@ -266,7 +265,7 @@ def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
     requests = list(requests)
     for r in requests:
         a = r.arrival_s
-        if isinstance(a, bool) or not isinstance(a, (int, float, np.number)) or not np.isfinite(a) or a < 0:
+        if not is_real(a) or a < 0:
             raise InvalidInputError(f"request {r.request_id!r}: arrival_s must be a finite number >= 0, got {a!r}")
     queue = sorted(requests, key=lambda r: r.arrival_s)
     ids, i, t0, tick = [], 0, engine.clock(), 0

@@ -2,7 +2,12 @@
 
 Every error a learner can cause (a bad file, a bad prompt, a bad sampling parameter) is raised as one of these,
 with a message that names the file, tensor, shape or parameter at fault. Catch ``GPT2Error`` to catch them all.
+``is_integer`` and ``is_real`` are the two type checks every such message starts from.
 """
+
+import math
+
+import numpy as np
 
 
 class GPT2Error(Exception):
@@ -19,3 +24,17 @@ class InvalidInputError(GPT2Error, ValueError):
 
 class CacheCapacityError(InvalidInputError):
     """A KV cache (or the context window) has no room for the tokens asked for."""
+
+
+def is_integer(value, least: int | None = None, most: int | None = None) -> bool:
+    """``value`` is a whole number from ``least`` to ``most`` (a bound left None is open): a Python or NumPy integer
+    (``np.arange`` hands out ``np.int64``), never a bool, which Python counts as an ``int``."""
+    return (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            and (least is None or value >= least) and (most is None or value <= most))
+
+
+def is_real(value) -> bool:
+    """``value`` is a finite real number: a Python or NumPy integer or float (``np.float32`` is not a ``float`` to
+    Python), never a bool."""
+    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            and math.isfinite(value))

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, is_integer
 from .model import lm_head, transformer
 from .sampling import Sampler, SamplingParams
 from .weights import GPT2Model
@@ -19,7 +19,7 @@ from .weights import GPT2Model
 def check_generation(model: GPT2Model, token_ids, max_new_tokens) -> list[int]:
     """Validate a prompt and a length budget before any work; return the prompt as a list of ints."""
     ids = model.check_tokens(token_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+    if not is_integer(max_new_tokens, 0):
         raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     n_ctx, needed = model.config.n_positions, positions_needed(len(ids), max_new_tokens)
     if needed > n_ctx:

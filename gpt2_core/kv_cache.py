@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .config import GPT2Config
-from .errors import CacheCapacityError, InvalidInputError
+from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .generation import check_generation, positions_needed
 from .model import attention, embed, layer_norm, linear, merge_heads, mlp, split_heads
 from .sampling import Sampler, SamplingParams
@@ -29,7 +29,7 @@ class KVCache:
 
     def __init__(self, config: GPT2Config, capacity: int | None = None, dtype=np.float32):
         capacity = config.n_positions if capacity is None else capacity
-        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+        if not is_integer(capacity, 1):
             raise InvalidInputError(f"KV cache capacity must be a positive integer, got {capacity!r}")
         if capacity > config.n_positions:
             raise InvalidInputError(f"KV cache capacity {capacity} exceeds the context n_ctx={config.n_positions}")

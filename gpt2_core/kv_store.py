@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from .config import GPT2Config
-from .errors import CacheCapacityError, InvalidInputError
+from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .measure import available_memory_bytes
 
 
@@ -99,10 +99,11 @@ class ContiguousKVStore(KVStore):
 
     def __init__(self, config: GPT2Config, num_slots: int, max_len: int | None = None, dtype=np.float32):
         max_len = config.n_positions if max_len is None else max_len
-        if not 1 <= max_len <= config.n_positions:
-            raise InvalidInputError(f"max_len={max_len} must be in [1, n_ctx={config.n_positions}]")
-        if num_slots < 1:
-            raise InvalidInputError(f"num_slots must be >= 1, got {num_slots}")
+        if not is_integer(max_len, 1, config.n_positions):
+            raise InvalidInputError(f"max_len must be an integer in [1, n_ctx={config.n_positions}], got {max_len!r}")
+        if not is_integer(num_slots, 1):
+            raise InvalidInputError(f"num_slots must be a positive integer, got {num_slots!r}")
+        max_len, num_slots = int(max_len), int(num_slots)
         self.config, self.dtype, self.max_len, self.num_slots = config, np.dtype(dtype), max_len, num_slots
         shape = (num_slots, config.n_layer, config.n_head, max_len, config.head_dim)  # [slots, L, H, max_len, D]
         kv = claimed_zeros((2, *shape), dtype, f"a contiguous KV store of {num_slots} slots x max_len={max_len} tokens "

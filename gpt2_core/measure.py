@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import is_integer
+
 # nbgrader sets NBGRADER_EXECUTION ("autograde" or "validate") while it executes a notebook to grade it. Grades
 # depend on the exercises, never on timings, so a graded run times everything once, on a shallower model.
 GRADING = os.environ.get("NBGRADER_EXECUTION", "") != ""
@@ -93,17 +95,10 @@ def keep_freed_memory() -> bool:
     return _freed_memory_kept
 
 
-def is_count(value, least: int, most: int | None = None) -> bool:
-    """``value`` is a whole number (a Python or NumPy integer, not a bool) from ``least`` to ``most``: the check of
-    every measuring function's counts (repeats, steps, positions)."""
-    return (not isinstance(value, bool) and isinstance(value, (int, np.integer)) and value >= least
-            and (most is None or value <= most))
-
-
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` in seconds, after ``warmup`` untimed calls (one call, no warmup, when grading)."""
     for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if not is_count(value, least):
+        if not is_integer(value, least):
             raise ValueError(f"median_time: {name} must be an integer >= {least}, got {value!r}")
     if GRADING:
         repeats, warmup = 1, 0

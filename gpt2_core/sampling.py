@@ -6,12 +6,11 @@ the same seed gives the same tokens whichever engine produced the logits (naive,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, is_integer, is_real
 
 
 @dataclass(frozen=True)
@@ -22,16 +21,20 @@ class SamplingParams:
     seed: int | None = None  # seed of this request's own random generator
 
     def __post_init__(self):
-        t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
+        if not is_real(t) or t < 0:
             raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0):
+        if k is not None and not is_integer(k, 0):
             raise InvalidInputError(f"top_k must be an integer >= 0 (0 = no limit), got {k!r}")
-        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+        if p is not None and (not is_real(p) or not 0 < p <= 1):
             raise InvalidInputError(f"top_p must be in (0, 1] (1 = no limit), got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-                                      or self.seed < 0):
-            raise InvalidInputError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if seed is not None and not is_integer(seed, 0):
+            raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
+        # NumPy scalars (np.float32(0.7), np.int64(5)) become Python numbers: equal params print and compare equal
+        for name, value, kind in (("temperature", t, float), ("top_k", k, int), ("top_p", p, float),
+                                  ("seed", seed, int)):
+            if value is not None:
+                object.__setattr__(self, name, kind(value))
 
     @property
     def greedy(self) -> bool:

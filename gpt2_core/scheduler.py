@@ -22,7 +22,7 @@ from collections import deque
 from itertools import islice
 from dataclasses import dataclass, field
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, is_integer
 from .generation import positions_needed
 from .kv_store import KVStore
 from .sequence import FinishReason, Sequence, SequenceStatus
@@ -64,14 +64,14 @@ class Scheduler:
     def __init__(self, store: KVStore, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_integer(value, 1):
                 raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
         if max_num_batched_tokens < max_num_seqs:
             raise InvalidInputError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                                     f"{max_num_seqs}: every running sequence needs one token per step")
         self.store = store
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = int(max_num_seqs)
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_model_len = store.config.n_positions if max_model_len is None else max_model_len
         self.waiting: deque[Sequence] = deque()  # FCFS; preempted sequences go back to the front
         self.running: list[Sequence] = []  # in admission order: running[-1] is the most recently admitted

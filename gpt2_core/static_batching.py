@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import CacheCapacityError, InvalidInputError
+from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .generation import check_generation
 from .kv_store import claimed_zeros
 from .model import layer_norm, softmax
@@ -276,6 +276,6 @@ def _check_request(model: GPT2Model, r) -> str | None:
     except TypeError as e:  # an unknown sampling parameter name, or sampling_params of the wrong kind
         return f"bad sampling_params: {e}"
     s, V = r.stop_token_id, model.config.vocab_size
-    if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < V):
+    if s is not None and not is_integer(s, 0, V - 1):
         return f"stop_token_id must be a token id in [0, {V}), got {s!r}"
     return None

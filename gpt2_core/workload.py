@@ -18,12 +18,11 @@ Trace format (JSONL, one request per line)::
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, is_integer, is_real
 from .sampling import SamplingParams
 from .sequence import FinishReason, Request
 
@@ -128,8 +127,7 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
         else:
             raise InvalidInputError(f"{path}:{n}: needs 'prompt', 'prompt_token_ids' or 'prompt_len'")
         arrival = d.get("arrival_s", 0.0)
-        if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not math.isfinite(arrival) \
-                or arrival < 0:
+        if not is_real(arrival) or arrival < 0:
             raise InvalidInputError(f"{path}:{n}: 'arrival_s' must be a finite number >= 0, got {arrival!r}")
         if not isinstance(d.get("stop_at_eos", False), bool):
             raise InvalidInputError(f"{path}:{n}: 'stop_at_eos' must be true or false, got {d['stop_at_eos']!r}")
@@ -152,7 +150,7 @@ TRACE_KEYS = {"request_id", "prompt", "prompt_token_ids", "prompt_len", "max_new
 def _count(d: dict, key: str, path, n: int, minimum: int, default: int | None = None) -> int:
     """``d[key]`` as an integer >= ``minimum`` (``default`` if absent), or an error naming the line."""
     value = d.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_integer(value, minimum):
         raise InvalidInputError(f"{path}:{n}: '{key}' must be an integer >= {minimum}, got {value!r}")
     return value
 

@@ -10,14 +10,14 @@ from helpers import TINY, reference_dirs, tiny_model
 
 import gpt2_core
 from gpt2_core import kv_cache
-from gpt2_core.engine import LLMEngine, RequestOutput, replay
+from gpt2_core.engine import LLMEngine, replay
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
 from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core import model_runner
 from gpt2_core.model import gelu, linear
 from gpt2_core.model_runner import Chunk, batched_linear, gelu_, ragged_forward
 from gpt2_core.sampling import SamplingParams
-from gpt2_core.sequence import FinishReason, Request, SequenceStatus
+from gpt2_core.sequence import FinishReason, Request
 from gpt2_core.static_batching import left_pad, left_padding_attention_mask, position_ids, static_generate
 from gpt2_core import workload as wl
 
@@ -52,7 +52,7 @@ def test_ragged_step_logits_match_chapter_2_within_1e_4(name, model):
         store.allocate(i, len(p))
     logits = ragged_forward(model, store, [Chunk(i, p, 0) for i, p in enumerate(prompts)])  # three prefills
     assert logits.dtype == np.float32 and logits.shape == (3, V)
-    caches, refs = [], []
+    caches = []
     for p, row in zip(prompts, logits):
         ref, cache = kv_cache.prefill(model, p, capacity=16, last_only=True)
         np.testing.assert_allclose(row, ref[0], atol=1e-4)
