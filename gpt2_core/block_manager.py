@@ -115,8 +115,9 @@ class BlockManager:
         """A new block table with room for ``num_tokens`` tokens; all or nothing."""
         if seq_id in self.block_tables:
             raise InvalidInputError(f"sequence {seq_id!r} already has a block table")
-        if num_tokens < 0:
-            raise InvalidInputError(f"num_tokens must be >= 0, got {num_tokens}")
+        if not is_integer(num_tokens, 0):
+            raise InvalidInputError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+        num_tokens = int(num_tokens)
         need = blocks_needed(num_tokens, self.block_size)
         if need > self.num_free_blocks:
             raise CacheCapacityError(f"sequence {seq_id!r} needs {need} KV blocks for {num_tokens} tokens, "
@@ -129,6 +130,8 @@ class BlockManager:
         """Blocks ``ensure(seq_id, num_tokens)`` would take: new ones, plus one if the last is shared (COW)."""
         if seq_id not in self.block_tables:
             raise InvalidInputError(f"sequence {seq_id!r} has no block table")
+        if not is_integer(num_tokens, 0):
+            raise InvalidInputError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
         have = self.num_tokens[seq_id]
         if num_tokens <= have:
             return 0, False
@@ -158,7 +161,7 @@ class BlockManager:
             copies.append((src, table[-1]))
         while len(table) < blocks_needed(num_tokens, self.block_size):
             table.append(self.allocator.allocate())
-        self.num_tokens[seq_id] = max(self.num_tokens[seq_id], num_tokens)
+        self.num_tokens[seq_id] = max(self.num_tokens[seq_id], int(num_tokens))
         return copies
 
     def fork(self, parent, child, num_tokens: int | None = None) -> list[int]:
@@ -177,7 +180,7 @@ class BlockManager:
         for block in shared:
             self.allocator.share(block)
         self.block_tables[child] = list(shared)
-        self.num_tokens[child] = n
+        self.num_tokens[child] = int(n)
         return self.block_tables[child]
 
     def free(self, seq_id) -> None:

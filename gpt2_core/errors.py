@@ -36,5 +36,9 @@ def is_integer(value, least: int | None = None, most: int | None = None) -> bool
 def is_real(value) -> bool:
     """``value`` is a finite real number: a Python or NumPy integer or float (``np.float32`` is not a ``float`` to
     Python), never a bool."""
-    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-            and math.isfinite(value))
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400), as a JSON file may hold
+        return False

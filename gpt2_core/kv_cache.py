@@ -36,7 +36,7 @@ class KVCache:
         shape = (config.n_layer, config.n_head, capacity, config.head_dim)  # [L, H, capacity, D]
         self.k = np.zeros(shape, dtype=dtype)
         self.v = np.zeros(shape, dtype=dtype)
-        self.capacity = capacity
+        self.capacity = int(capacity)
         self.length = 0  # tokens cached so far (all layers)
 
     def reserve(self, num_tokens: int) -> None:

@@ -35,9 +35,9 @@ class PagedKVStore(KVStore):
     """
 
     def __init__(self, config: GPT2Config, num_blocks: int, block_size: int = 16, dtype=np.float32):
-        self.config, self.dtype, self.block_size = config, np.dtype(dtype), block_size
-        self.manager = BlockManager(num_blocks, block_size)
-        self.num_blocks = num_blocks
+        self.manager = BlockManager(num_blocks, block_size)  # checks both counts
+        num_blocks, block_size = self.manager.allocator.num_blocks, self.manager.block_size  # as Python ints
+        self.config, self.dtype, self.block_size, self.num_blocks = config, np.dtype(dtype), block_size, num_blocks
         L, H, D = config.n_layer, config.n_head, config.head_dim
         self.kv = claimed_zeros((L, num_blocks * block_size, 2, H, D), dtype,  # [L, slots, K/V, H, D]
                                 f"a paged KV pool of {num_blocks} blocks x {block_size} tokens (lower num_blocks)")

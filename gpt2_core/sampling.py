@@ -30,7 +30,7 @@ class SamplingParams:
             raise InvalidInputError(f"top_p must be in (0, 1] (1 = no limit), got {p!r}")
         if seed is not None and not is_integer(seed, 0):
             raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
-        # NumPy scalars (np.float32(0.7), np.int64(5)) become Python numbers: equal params print and compare equal
+        # NumPy scalars (np.float32(0.75), np.int64(5)) are stored as the Python numbers of the same value
         for name, value, kind in (("temperature", t, float), ("top_k", k, int), ("top_p", p, float),
                                   ("seed", seed, int)):
             if value is not None:

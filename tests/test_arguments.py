@@ -20,6 +20,7 @@ from gpt2_core.errors import CheckpointError, InvalidInputError, is_integer, is_
 from gpt2_core.generation import check_generation
 from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core.measure import median_time
+from gpt2_core.paged_kv_store import PagedKVStore
 from gpt2_core.sampling import SamplingParams
 from gpt2_core.scheduler import Scheduler
 from gpt2_core.sequence import Request
@@ -36,7 +37,7 @@ def test_is_integer_takes_python_and_numpy_integers_in_range_and_nothing_else():
 def test_is_real_takes_finite_python_and_numpy_numbers_and_nothing_else():
     for value in (0, 0.5, np.float32(0.5), np.float64(0.5), np.float16(0.5), np.int64(2)):
         assert is_real(value), value
-    for value in (True, np.True_, float("nan"), np.float32("inf"), -np.inf, "0.5", None):
+    for value in (True, np.True_, float("nan"), np.float32("inf"), -np.inf, 10**400, "0.5", None):
         assert not is_real(value), value
 
 
@@ -75,9 +76,18 @@ def test_block_manager_and_allocator_accept_numpy_integers():
     allocator = BlockAllocator(np.int64(4))
     assert allocator.ref_count == [0, 0, 0, 0]  # a list: [0] * np.int64(4) would be the array [0]
     manager = BlockManager(np.int64(4), block_size=np.int32(2))
-    manager.allocate("a", 3)
+    assert type(manager.block_size) is int and type(manager.num_blocks) is int
+    manager.allocate("a", np.int64(3))
     manager.fork("a", "b", np.int64(2))
-    assert manager.block_tables["b"] == manager.block_tables["a"][:1]
+    manager.ensure("b", np.int64(3))
+    assert manager.block_tables["b"][0] == manager.block_tables["a"][0]
+    assert all(type(n) is int for n in manager.num_tokens.values())
+    for bad in (True, 2.0, -1):
+        with pytest.raises(InvalidInputError, match="num_tokens"):
+            manager.allocate("c", bad)
+        with pytest.raises(InvalidInputError, match="num_tokens"):
+            manager.ensure("a", bad)
+    assert "c" not in manager.block_tables  # a refused call changes nothing
     for kwargs, name in (({"num_blocks": True}, "num_blocks"), ({"num_blocks": 4, "block_size": 2.0}, "block_size")):
         with pytest.raises(InvalidInputError, match=name):
             BlockManager(**kwargs)
@@ -86,6 +96,11 @@ def test_block_manager_and_allocator_accept_numpy_integers():
 def test_stores_caches_and_the_scheduler_check_their_counts():
     store = ContiguousKVStore(TINY, num_slots=np.int64(2), max_len=np.int64(8))
     assert store.capacity_tokens() == 16 and type(store.max_len) is int
+    paged = PagedKVStore(TINY, num_blocks=np.int64(4), block_size=np.int64(4))
+    assert type(paged.num_blocks) is int and type(paged.block_size) is int and paged.capacity_tokens() == 16
+    json.dumps({"num_blocks": paged.num_blocks, "block_size": paged.block_size})  # benchmark records stay JSON
+    with pytest.raises(InvalidInputError, match="block_size"):
+        PagedKVStore(TINY, num_blocks=4, block_size=4.0)
     for kwargs, name in (({"num_slots": 2.5}, "num_slots"), ({"num_slots": 2, "max_len": 3.5}, "max_len"),
                          ({"num_slots": 2, "max_len": TINY.n_positions + 1}, "max_len"),
                          ({"num_slots": True}, "num_slots")):
@@ -95,7 +110,7 @@ def test_stores_caches_and_the_scheduler_check_their_counts():
     assert type(scheduler.max_num_seqs) is int and type(scheduler.max_num_batched_tokens) is int
     with pytest.raises(InvalidInputError, match="max_num_seqs"):
         Scheduler(store, max_num_seqs=2.0)
-    assert kv_cache.KVCache(TINY, capacity=np.int64(8)).capacity == 8
+    assert type(kv_cache.KVCache(TINY, capacity=np.int64(8)).capacity) is int
     with pytest.raises(InvalidInputError, match="capacity"):
         kv_cache.KVCache(TINY, capacity=8.0)
 
@@ -103,14 +118,14 @@ def test_stores_caches_and_the_scheduler_check_their_counts():
 def test_an_engine_built_and_fed_with_numpy_numbers_gives_the_tokens_of_python_numbers():
     model = tiny_model()
 
-    def run(n):  # n: int or np.int64 everywhere a count goes
+    def run(n, x):  # n: int or np.int64 wherever a count goes, x: float or np.float32 wherever a number goes
         engine = LLMEngine(model, max_num_seqs=n(2), max_num_batched_tokens=n(32), max_len=n(12))
-        requests = [Request(i, [1 + i, 2, 3], max_new_tokens=n(5), stop_token_id=n(99), arrival_s=n(i),
-                            sampling_params={"temperature": 0.75, "seed": n(i)}) for i in range(3)]
+        requests = [Request(i, [1 + i, 2, 3], max_new_tokens=n(5), stop_token_id=n(99), arrival_s=x(i),
+                            sampling_params={"temperature": x(0.75), "seed": n(i)}) for i in range(3)]
         return [o.output_token_ids for o in replay(engine, requests, clock="steps")]
 
-    assert run(np.int64) == run(int)
-    assert all(len(t) == 5 for t in run(int))
+    assert run(np.int64, np.float32) == run(int, float)
+    assert all(len(t) == 5 for t in run(int, float))
 
 
 def test_generation_and_timing_counts_accept_numpy_integers_and_refuse_bools():
