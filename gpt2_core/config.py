@@ -90,6 +90,8 @@ class GPT2Config:
             d = json.loads(path.read_text())
         except FileNotFoundError:
             raise CheckpointError(f"{path}: config.json not found") from None
+        except OSError as e:  # a directory, no permission
+            raise CheckpointError(f"{path}: cannot read config.json ({type(e).__name__}: {e})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(d, dict):

@@ -67,6 +67,14 @@ class RequestOutput:
                    seq.error, seq.metrics)
 
 
+def check_store_fits(store: KVStore, model: GPT2Model) -> None:
+    """A store holds K/V of one shape: the model's layers x heads x head_dim, or the step would fail inside."""
+    have, want = store.config, model.config
+    if (have.n_layer, have.n_head, have.head_dim) != (want.n_layer, want.n_head, want.head_dim):
+        raise InvalidInputError(f"the KV store holds {have.n_layer} layers x {have.n_head} heads x head_dim "
+                                f"{have.head_dim}; the model needs {want.n_layer} x {want.n_head} x {want.head_dim}")
+
+
 class LLMEngine:
     """Continuous batching over a ``KVStore`` (default: one contiguous slot of ``max_len`` per sequence)."""
 
@@ -79,6 +87,10 @@ class LLMEngine:
                 raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
         if store is None:
             store = ContiguousKVStore(model.config, num_slots=int(max_num_seqs), max_len=max_len)
+        elif max_len is not None:
+            raise InvalidInputError("max_len sizes the default store; a store passed in has its own size")
+        else:
+            check_store_fits(store, model)
         self.model, self.store, self.clock = model, store, clock
         self.scheduler = Scheduler(store, int(max_num_seqs), int(max_num_batched_tokens), model.config.n_positions)
         self.sequences: dict[int, Sequence] = {}  # seq_id -> Sequence, all ever added
@@ -96,8 +108,9 @@ class LLMEngine:
 
         ``on_token(seq, token)`` is called for each new token; after the last one ``seq.is_finished`` is True.
         """
-        if request.request_id in self._by_request:
-            raise InvalidInputError(f"request_id {request.request_id!r} is already in this engine")
+        self._check_new([request])
+        if arrival_time is not None and not is_real(arrival_time):
+            raise InvalidInputError(f"arrival_time must be a finite number (clock seconds), got {arrival_time!r}")
         seq_id, self._next_id = self._next_id, self._next_id + 1
         now = self.clock() if arrival_time is None else arrival_time
         seq = Sequence(seq_id, request, arrival_time=now)
@@ -122,6 +135,20 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq_id
 
+    def _check_new(self, requests: list) -> None:
+        """Refuse, before anything is queued, what is not a ``Request`` or reuses a ``request_id``."""
+        ids = set()
+        for r in requests:
+            if not all(hasattr(r, a) for a in ("request_id", "prompt_token_ids", "max_new_tokens")):  # duck-typed:
+                raise InvalidInputError(f"expected a Request, got {type(r).__name__}")  # a notebook's own class too
+            try:
+                hash(r.request_id)
+            except TypeError:
+                raise InvalidInputError(f"request_id must be hashable (a str or an int), got {r.request_id!r}") from None
+            if r.request_id in self._by_request or r.request_id in ids:
+                raise InvalidInputError(f"request_id {r.request_id!r} is already in this engine")
+            ids.add(r.request_id)
+
     def _validate(self, seq: Sequence) -> str | None:
         r, cfg = seq.request, self.model.config
         try:
@@ -140,13 +167,18 @@ class LLMEngine:
         if not is_integer(m, 0):
             return f"max_new_tokens must be an integer >= 0, got {m!r}"
         seq.max_new_tokens = int(m)
+        if not isinstance(r.stop_at_eos, (bool, np.bool_)):
+            return f"stop_at_eos must be True or False, got {r.stop_at_eos!r}"
         s = r.stop_token_id
         if s is not None and not is_integer(s, 0, cfg.vocab_size - 1):
             return f"stop_token_id must be a token id in [0, {cfg.vocab_size}), got {s!r}"
         return self.scheduler.check_fits(seq)
 
     def get_sequence(self, request_id) -> Sequence:
-        return self._by_request[request_id]
+        try:
+            return self._by_request[request_id]
+        except (KeyError, TypeError):
+            raise InvalidInputError(f"no request {request_id!r} in this engine") from None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -165,7 +197,12 @@ class LLMEngine:
                         seq.num_computed_tokens) for seq in plan.scheduled]
         kv_used = sum(seq.num_tokens for seq in self.scheduler.running)
         kv_slots, kv_reserved = len(self.scheduler.running), self.store.reserved_tokens()
-        logits = ragged_forward(self.model, self.store, chunks)  # [B, V]
+        try:
+            logits = ragged_forward(self.model, self.store, chunks)  # [B, V]
+        except BaseException:  # incl. Ctrl-C: nothing was sampled, so every sequence of the step waits again
+            for seq in reversed(plan.scheduled):
+                self.scheduler.requeue(seq)
+            raise
         now = self.clock()
         outputs = []
         for seq, row in zip(plan.scheduled, logits):
@@ -229,7 +266,7 @@ class LLMEngine:
     # -- outputs --------------------------------------------------------------------------------------------------
     def stream(self, request_id) -> Iterator[int]:
         """Yield ``request_id``'s tokens as they are produced, stepping the engine (and so every request) as needed."""
-        seq = self._by_request[request_id]
+        seq = self.get_sequence(request_id)
         pending = self._pending[seq.seq_id]
         while True:
             while pending:
@@ -243,7 +280,10 @@ class LLMEngine:
             self.step()
 
     def generate_many(self, requests: Iterable[Request]) -> list[RequestOutput]:
-        """Add all ``requests`` now (arrival times ignored) and step until every one has finished; in input order."""
+        """Add all ``requests`` now (arrival times ignored) and step until every one has finished; in input order.
+        A list with a repeated or taken ``request_id`` is refused whole, before any request is queued."""
+        requests = list(requests)
+        self._check_new(requests)
         ids = [self.add_request(r) for r in requests]
         self.run_until_done()
         return [RequestOutput.from_sequence(self.sequences[i]) for i in ids]
@@ -262,7 +302,10 @@ def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
     """
     if clock not in ("wall", "steps"):
         raise InvalidInputError(f"clock must be 'wall' or 'steps', got {clock!r}")
+    if not is_real(time_scale) or time_scale < 0:
+        raise InvalidInputError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
     requests = list(requests)
+    engine._check_new(requests)
     for r in requests:
         a = r.arrival_s
         if not is_real(a) or a < 0:

@@ -72,6 +72,10 @@ def cached_transformer(model: GPT2Model, token_ids, cache: KVCache) -> np.ndarra
     """Run the new tokens ``token_ids`` at positions ``cache.length ..``; their K/V are appended to the cache."""
     cfg = model.config
     token_ids = model.check_tokens(token_ids)
+    if cache.k.shape[:2] + cache.k.shape[3:] != (cfg.n_layer, cfg.n_head, cfg.head_dim):
+        L, H, _, D = cache.k.shape
+        raise InvalidInputError(f"the KV cache holds {L} layers x {H} heads x head_dim {D}; the model needs "
+                                f"{cfg.n_layer} x {cfg.n_head} x {cfg.head_dim}")
     if cache.length + len(token_ids) > cfg.n_positions:
         raise CacheCapacityError(f"position {cache.length + len(token_ids) - 1} is past the context "
                                  f"n_ctx={cfg.n_positions}")

@@ -16,7 +16,7 @@ import numpy as np
 
 from .block_manager import BlockManager, blocks_needed
 from .config import GPT2Config
-from .errors import CacheCapacityError, InvalidInputError
+from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .kv_store import KVStore, claimed_zeros
 
 
@@ -49,6 +49,8 @@ class PagedKVStore(KVStore):
     @classmethod
     def from_budget(cls, config: GPT2Config, budget_bytes: int, block_size: int = 16, dtype=np.float32):
         """As many blocks as fit in ``budget_bytes`` of K/V memory (``kv_cache_bytes`` of the pool <= budget)."""
+        if not is_integer(block_size, 1):
+            raise InvalidInputError(f"block_size must be a positive integer, got {block_size!r}")
         per_block = 2 * config.n_layer * config.n_head * config.head_dim * block_size * np.dtype(dtype).itemsize
         num_blocks = int(budget_bytes // per_block)
         if num_blocks < 1:
@@ -83,7 +85,7 @@ class PagedKVStore(KVStore):
     def ensure(self, seq_id, num_tokens: int) -> None:
         self._check_length(seq_id, num_tokens)
         if seq_id in self.slots and num_tokens <= len(self.slots[seq_id]):
-            return  # room already there (the common case: one more token in a block that is not full)
+            return  # room already there (asked twice); a decode step's one more token goes on below
         for src, dst in self.manager.ensure(seq_id, num_tokens):  # copy on write of a block shared with a fork
             bs = self.block_size
             self.kv[:, dst * bs:(dst + 1) * bs] = self.kv[:, src * bs:(src + 1) * bs]

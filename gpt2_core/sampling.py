@@ -74,7 +74,10 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:  # logits [V] -> token id
         if self.params.greedy:
-            return int(np.argmax(logits))
+            token = int(np.argmax(logits))  # a NaN anywhere is argmax's answer; all -inf gives token 0
+            if np.isnan(logits[token]) or logits[token] == -np.inf:
+                raise InvalidInputError("cannot sample: the logits are NaN or all -inf")
+            return token
         probs = sampling_probs(logits, self.params)
         u = self.rng.random()  # exactly one draw per step
         cdf = np.cumsum(probs)

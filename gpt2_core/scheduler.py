@@ -150,6 +150,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Undo the scheduling of ``seq`` after its model step failed: its KV room freed, its tokens kept, queued
+        first (as a preemption does, without counting one). Called for a step's sequences in reverse order, it
+        leaves them at the front of the queue in their order."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.store.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take ``seq`` out of the queues for good and free its KV room."""
         if seq.status is SequenceStatus.RUNNING:

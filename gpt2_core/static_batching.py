@@ -133,6 +133,18 @@ def static_kv_buffer(config, batch_size: int, columns: int) -> np.ndarray:
     return claimed_zeros(shape, np.float32, f"static batching's KV cache of {batch_size} rows x {columns} columns")
 
 
+def sampling_params_of(p) -> SamplingParams:
+    """``SamplingParams`` from what a row was given: params, a dict of them, or None (greedy)."""
+    if p is None or isinstance(p, SamplingParams):
+        return p or SamplingParams()
+    if not isinstance(p, dict):
+        raise InvalidInputError(f"sampling_params must be a SamplingParams, a dict or None, got {type(p).__name__}")
+    try:
+        return SamplingParams(**p)
+    except TypeError as e:  # an unknown parameter name
+        raise InvalidInputError(f"bad sampling_params: {e}") from None
+
+
 def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=None, stop_at_eos=True,
                     pad_id: int = 0, clock=time.perf_counter, kv_buffer: np.ndarray | None = None,
                     stop_token_ids=None) -> StaticBatchOutput:
@@ -142,18 +154,27 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     the row, or None) are one value for all rows or one per row. ``kv_buffer`` (``static_kv_buffer``) is where
     the batch keeps its K/V; without one, the batch takes its own when it starts.
     """
-    B = len(prompts)
+    if prompts is None or isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise InvalidInputError(f"static_generate needs a list of prompts (token id lists), got {type(prompts).__name__}")
+    B, V = len(prompts), model.config.vocab_size
     if B == 0:
         raise InvalidInputError("static_generate needs at least one prompt")
     budgets = list(max_new_tokens) if np.ndim(max_new_tokens) else [max_new_tokens] * B
     params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * B
-    eos_rows = list(stop_at_eos) if isinstance(stop_at_eos, (list, tuple)) else [stop_at_eos] * B
-    stop_rows = list(stop_token_ids) if isinstance(stop_token_ids, (list, tuple)) else [stop_token_ids] * B
+    eos_rows = list(stop_at_eos) if np.ndim(stop_at_eos) else [stop_at_eos] * B
+    stop_rows = list(stop_token_ids) if np.ndim(stop_token_ids) else [stop_token_ids] * B
     if not len(budgets) == len(params) == len(eos_rows) == len(stop_rows) == B:
         raise InvalidInputError(f"{B} prompts but {len(budgets)} max_new_tokens, {len(params)} sampling_params, "
                                 f"{len(eos_rows)} stop_at_eos and {len(stop_rows)} stop_token_ids")
     prompts = [check_generation(model, p, m) for p, m in zip(prompts, budgets)]
-    samplers = [Sampler(SamplingParams(**p) if isinstance(p, dict) else p or SamplingParams()) for p in params]
+    if any(not isinstance(e, (bool, np.bool_)) for e in eos_rows):
+        raise InvalidInputError(f"stop_at_eos must be True or False (or one per row), got {stop_at_eos!r}")
+    if any(s is not None and not is_integer(s, 0, V - 1) for s in stop_rows):
+        raise InvalidInputError(f"stop_token_ids must be token ids in [0, {V}) or None (or one per row), got "
+                                f"{stop_token_ids!r}")
+    if not is_integer(pad_id, 0, V - 1):
+        raise InvalidInputError(f"pad_id must be a token id in [0, {V}), got {pad_id!r}")
+    samplers = [Sampler(sampling_params_of(p)) for p in params]
     cfg = model.config
     ids, key_mask = left_pad(prompts, pad_id)  # [B, T]
     T, steps = ids.shape[1], max(budgets)
@@ -234,6 +255,10 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
     """
     from .engine import RequestOutput
 
+    if clock not in ("wall", "offline"):
+        raise InvalidInputError(f"clock must be 'wall' or 'offline', got {clock!r}")
+    if not is_integer(batch_size, 1):
+        raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
     requests = sorted(requests, key=lambda r: r.arrival_s)
     errors = {id(r): e for r in requests if (e := _check_request(model, r)) is not None}  # each fails alone
     valid = [r for r in requests if id(r) not in errors]

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import CheckpointError, InvalidInputError
+import numpy as np
+
+from .errors import CheckpointError, InvalidInputError, is_integer
 
 EOT = "<|endoftext|>"
 
@@ -63,7 +65,17 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def _check_ids(self, ids) -> list[int]:
+        """``ids`` as a list of ints, each a token id of this vocabulary (no silent truncation of 1.7 to 1)."""
+        if isinstance(ids, np.ndarray) and ids.ndim != 1:
+            raise InvalidInputError(f"decode: expected a 1-D sequence of token ids, got an array of shape {ids.shape}")
+        ids = list(ids)
+        bad = next((i for i in ids if not is_integer(i, 0, self.vocab_size - 1)), None)
+        if bad is not None:
+            raise InvalidInputError(f"decode: {bad!r} is not a token id in [0, {self.vocab_size})")
+        return [int(i) for i in ids]
 
     def decode_stream(self, ids: Iterable[int], skip_special_tokens: bool = True) -> Iterator[str]:
         """Yield text pieces as tokens arrive; a piece is emitted once its bytes form whole characters."""
@@ -71,7 +83,7 @@ class Tokenizer:
 
         stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         for i in ids:
-            piece = stream.step(self.hf, int(i))
+            piece = stream.step(self.hf, self._check_ids([i])[0])
             if piece:
                 yield piece
 

@@ -44,6 +44,12 @@ def poisson_workload(num_requests: int, request_rate: float, vocab_size: int, se
                      stop_at_eos: bool = False) -> list[Request]:
     """A seeded workload. ``prompt_len`` / ``output_len`` = (median, sigma, low, high) of clipped log-normals;
     ``request_rate`` in requests/s (``float('inf')``: all arrive at t=0). Greedy, random prompt ids."""
+    if not is_integer(num_requests, 1):
+        raise InvalidInputError(f"num_requests must be a positive integer, got {num_requests!r}")
+    if not (request_rate == float("inf") or is_real(request_rate) and request_rate > 0):
+        raise InvalidInputError(f"request_rate must be > 0 requests/s (inf: all at once), got {request_rate!r}")
+    if not is_integer(vocab_size, 1):
+        raise InvalidInputError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     rng = np.random.default_rng(seed)
     gaps = np.zeros(num_requests) if np.isinf(request_rate) else rng.exponential(1 / request_rate, num_requests)
     arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
@@ -99,7 +105,11 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
     allows but a model may refuse (sampling parameters, token ids, lengths past the context) are checked by the
     engine, so such a request fails alone."""
     requests, seen = [], set()
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidInputError(f"{path}: cannot read the trace ({type(e).__name__}: {e})") from None
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -132,6 +142,8 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
         if not isinstance(d.get("stop_at_eos", False), bool):
             raise InvalidInputError(f"{path}:{n}: 'stop_at_eos' must be true or false, got {d['stop_at_eos']!r}")
         request_id = d.get("request_id", n - 1)
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise InvalidInputError(f"{path}:{n}: 'request_id' must be a string or an integer, got {request_id!r}")
         if request_id in seen:
             raise InvalidInputError(f"{path}:{n}: request_id {request_id!r} is used by an earlier line")
         seen.add(request_id)

@@ -1,0 +1,174 @@
+"""Bad input anywhere in the public API: a package error that names the problem, and no state left half changed.
+
+Each case here once gave a raw Python error, a silent wrong result, a hang or an engine that could not step
+again (found by a bug hunt on 2026-12-04).
+"""
+
+import numpy as np
+import pytest
+from helpers import TINY, tiny_model
+
+import gpt2_core
+from gpt2_core import kv_cache, model_runner
+from gpt2_core import workload as wl
+from gpt2_core.config import GPT2Config
+from gpt2_core.engine import LLMEngine, replay
+from gpt2_core.errors import CheckpointError, InvalidInputError
+from gpt2_core.kv_store import ContiguousKVStore
+from gpt2_core.paged_kv_store import PagedKVStore
+from gpt2_core.sampling import Sampler, SamplingParams
+from gpt2_core.sequence import FinishReason, Request
+from gpt2_core.static_batching import static_generate
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def alone(model, r):
+    return kv_cache.generate(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=r.stop_at_eos)
+
+
+def test_a_store_of_another_shape_or_a_max_len_beside_a_store_is_refused_when_the_engine_is_built(model):
+    other = GPT2Config(vocab_size=101, n_positions=16, n_embd=24, n_head=4, n_layer=2)
+    with pytest.raises(InvalidInputError, match="KV store holds 2 layers x 4 heads"):
+        LLMEngine(model, store=ContiguousKVStore(other, 2))
+    with pytest.raises(InvalidInputError, match="max_len"):
+        LLMEngine(model, store=PagedKVStore(TINY, num_blocks=8, block_size=4), max_len=4)
+
+
+def test_a_model_step_that_raises_leaves_the_engine_able_to_go_on(model, monkeypatch):
+    engine = LLMEngine(model, max_num_seqs=2, max_len=16)
+    requests = [Request("a", [1, 2, 3], 5, stop_at_eos=False), Request("b", [4, 5], 4, stop_at_eos=False)]
+    for r in requests:
+        engine.add_request(r)
+    engine.step()  # both prefilled
+    real, calls = model_runner.ragged_forward, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of a step, after some layers wrote their K/V
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("gpt2_core.engine.ragged_forward", fails_once)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.store.reserved_tokens() == 0 and len(engine.scheduler.waiting) == 2  # both wait again, KV freed
+    engine.run_until_done()
+    assert [engine.get_sequence(r.request_id).output_token_ids for r in requests] == [alone(model, r) for r in requests]
+    assert engine.store.reserved_tokens() == 0
+
+
+def test_generate_many_refuses_a_repeated_request_id_before_queuing_anything(model):
+    engine = LLMEngine(model, max_num_seqs=2, max_len=16)
+    with pytest.raises(InvalidInputError, match="'a' is already"):
+        engine.generate_many([Request("a", [1, 2], 3), Request("b", [1], 3), Request("a", [3], 3)])
+    assert not engine.has_unfinished() and not engine.sequences
+    out = engine.generate_many([Request("a", [1, 2], 3, stop_at_eos=False)])  # the ids are still free
+    assert out[0].output_token_ids == alone(model, Request("a", [1, 2], 3, stop_at_eos=False))
+
+
+def test_requests_of_the_wrong_kind_are_refused_by_name(model):
+    engine = LLMEngine(model, max_num_seqs=2, max_len=16)
+    for bad, match in ((None, "expected a Request"), ({"request_id": 1}, "expected a Request"),
+                       (Request([1], [1, 2], 3), "hashable")):
+        with pytest.raises(InvalidInputError, match=match):
+            engine.add_request(bad)
+    with pytest.raises(InvalidInputError, match="arrival_time"):
+        engine.add_request(Request("t", [1], 2), arrival_time="soon")
+    for call in (lambda i: next(engine.stream(i)), engine.get_sequence):
+        with pytest.raises(InvalidInputError, match="no request 'nope'"):
+            call("nope")
+    engine.add_request(Request("s", [1, 2], 2, stop_at_eos="no"))  # fails alone, with its reason
+    assert engine.get_sequence("s").finish_reason is FinishReason.ERROR
+    assert "stop_at_eos" in engine.get_sequence("s").error and not engine.sequences.keys() - {0}
+
+
+def test_replay_refuses_a_time_scale_that_would_never_let_a_request_arrive(model):
+    for bad in (float("nan"), float("inf"), -1, "x", None):
+        with pytest.raises(InvalidInputError, match="time_scale"):
+            replay(LLMEngine(model, max_num_seqs=1, max_len=16), [Request(1, [1, 2], 2)], time_scale=bad)
+
+
+def test_greedy_sampling_refuses_nan_or_all_minus_inf_logits_as_sampled_decoding_does():
+    for logits in (np.full(101, np.nan, np.float32), np.full(101, -np.inf, np.float32),
+                   np.r_[np.zeros(100), np.nan].astype(np.float32)):
+        for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=0)):
+            with pytest.raises(InvalidInputError, match="NaN or all -inf"):
+                Sampler(params)(logits)
+    assert Sampler(SamplingParams())(np.r_[np.zeros(100), np.inf]) == 100  # +inf is simply the most likely
+
+
+def test_a_logits_processor_banning_every_token_fails_its_request_alone_under_greedy(model):
+    engine = LLMEngine(model, max_num_seqs=2, max_len=16)
+    ban = Request("ban", [1, 2], 3, logits_processor=lambda ids, logits: np.full_like(logits, -np.inf))
+    ok = Request("ok", [3, 4], 3, stop_at_eos=False)
+    out = engine.generate_many([ban, ok])
+    assert out[0].finish_reason is FinishReason.ERROR and "NaN or all -inf" in out[0].error
+    assert out[1].output_token_ids == alone(model, ok) and engine.store.reserved_tokens() == 0
+
+
+def test_a_kv_cache_made_for_another_shape_is_refused_and_left_as_it_was(model):
+    for other in (GPT2Config(vocab_size=101, n_positions=16, n_embd=24, n_head=4, n_layer=2),
+                  GPT2Config(vocab_size=101, n_positions=16, n_embd=24, n_head=3, n_layer=3),
+                  GPT2Config(vocab_size=101, n_positions=16, n_embd=24, n_head=3, n_layer=1)):
+        cache = kv_cache.KVCache(other, 8)
+        with pytest.raises(InvalidInputError, match="KV cache holds"):
+            kv_cache.decode_step(model, 5, cache)
+        assert cache.length == 0
+
+
+def test_static_batching_checks_every_row_value_before_it_starts(model):
+    prompts = [[1, 2], [3]]
+    for kwargs, match in (({"stop_token_ids": 5000}, "stop_token_ids"), ({"stop_token_ids": -1}, "stop_token_ids"),
+                          ({"stop_at_eos": "no"}, "stop_at_eos"), ({"pad_id": 10**6}, "pad_id"),
+                          ({"sampling_params": "greedy"}, "sampling_params"),
+                          ({"sampling_params": {"temp": 1}}, "sampling_params")):
+        with pytest.raises(InvalidInputError, match=match):
+            static_generate(model, prompts, 3, **kwargs)
+    with pytest.raises(InvalidInputError, match="list of prompts"):
+        static_generate(model, None, 3)
+    per_row = static_generate(model, prompts, 3, stop_at_eos=np.array([False, False]), stop_token_ids=np.array([7, 8]))
+    assert per_row.output_token_ids == static_generate(model, prompts, 3, stop_at_eos=[False, False],
+                                                       stop_token_ids=[7, 8]).output_token_ids
+
+
+def test_workloads_and_traces_name_what_is_wrong(tmp_path):
+    for kwargs, match in (({"num_requests": 0}, "num_requests"), ({"num_requests": 2.5}, "num_requests"),
+                          ({"request_rate": 0}, "request_rate"), ({"request_rate": -1}, "request_rate"),
+                          ({"vocab_size": 0}, "vocab_size")):
+        args = {"num_requests": 3, "request_rate": 1.0, "vocab_size": 101, **kwargs}
+        with pytest.raises(InvalidInputError, match=match):
+            wl.poisson_workload(**args)
+    assert len(wl.poisson_workload(3, float("inf"), 101)) == 3
+    for path in (tmp_path / "missing.jsonl", tmp_path):
+        with pytest.raises(InvalidInputError, match="cannot read the trace"):
+            wl.load_trace(path, vocab_size=101)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt_len": 3, "note": "\xe9"}\n')
+    with pytest.raises(InvalidInputError, match="cannot read the trace"):
+        wl.load_trace(latin, vocab_size=101)
+    bad_id = tmp_path / "bad_id.jsonl"
+    bad_id.write_text('{"request_id": [1], "prompt_len": 3}\n')
+    with pytest.raises(InvalidInputError, match=r"bad_id.jsonl:1: 'request_id'"):
+        wl.load_trace(bad_id, vocab_size=101)
+
+
+def test_decode_refuses_ids_outside_the_vocabulary_instead_of_truncating_them():
+    tok = gpt2_core.load_model().tokenizer
+    for bad in ([999_999], [1.7, 2.2], [-1], [True], np.array([[1, 2]])):
+        with pytest.raises(InvalidInputError, match="decode"):
+            tok.decode(bad)
+        with pytest.raises(InvalidInputError, match="decode"):
+            list(tok.decode_stream(bad))
+    assert tok.decode(np.array([5, 6])) == tok.decode([5, 6])
+
+
+def test_a_paged_budget_checks_its_block_size_and_a_config_path_that_is_a_directory_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(InvalidInputError, match="block_size"):
+        PagedKVStore.from_budget(TINY, 10**6, block_size=0)
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(CheckpointError, match="cannot read config.json"):
+        GPT2Config.from_json(tmp_path / "config.json")
