@@ -73,17 +73,25 @@ def standard_workload(num_requests: int = 48, seed: int = 0, request_rate: float
 
 
 def save_trace(requests, path, with_token_ids: bool = False) -> None:
-    """Write ``requests`` as JSONL (``prompt_len`` only, unless ``with_token_ids``)."""
+    """Write ``requests`` as JSONL (``prompt_len`` only, unless ``with_token_ids``). Every request is checked
+    before the file is written: a request_id must be a str or an int, the sampling parameters valid ones."""
     lines = []
     for r in requests:
-        d = {"request_id": r.request_id}
+        request_id = r.request_id.item() if isinstance(r.request_id, np.integer) else r.request_id
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise InvalidInputError(f"save_trace: request_id must be a str or an int, got {r.request_id!r}")
+        d = {"request_id": request_id}
         if with_token_ids:
             d["prompt_token_ids"] = [int(t) for t in r.prompt_token_ids]
         else:
             d["prompt_len"] = len(r.prompt_token_ids)
         d["max_new_tokens"] = int(r.max_new_tokens)
         d["arrival_s"] = float(r.arrival_s)
-        sp = r.sampling_params if isinstance(r.sampling_params, dict) else r.sampling_params.__dict__
+        try:  # SamplingParams checks the values and stores Python numbers, which json can write
+            sp = (SamplingParams(**r.sampling_params) if isinstance(r.sampling_params, dict)
+                  else r.sampling_params or SamplingParams()).__dict__
+        except TypeError as e:  # an unknown parameter name: refused, not dropped
+            raise InvalidInputError(f"save_trace: request {request_id!r}: bad sampling_params: {e}") from None
         defaults = SamplingParams().__dict__
         d.update({k: sp[k] for k in SAMPLING_KEYS if k in sp and sp[k] != defaults[k]})  # seed 0 is a seed
         if r.stop_at_eos:  # load_trace's default is False

@@ -172,3 +172,16 @@ def test_a_paged_budget_checks_its_block_size_and_a_config_path_that_is_a_direct
     (tmp_path / "config.json").mkdir()
     with pytest.raises(CheckpointError, match="cannot read config.json"):
         GPT2Config.from_json(tmp_path / "config.json")
+
+
+def test_save_trace_writes_numpy_values_as_json_and_refuses_what_load_trace_could_not_read(tmp_path):
+    path = tmp_path / "t.jsonl"
+    wl.save_trace([Request(np.int64(1), [1, 2, 3], np.int64(4), arrival_s=np.float32(0.5),
+                           sampling_params={"temperature": np.float32(0.5), "seed": np.int64(3)})], path)
+    (back,) = wl.load_trace(path, vocab_size=101)
+    assert (back.request_id, back.max_new_tokens, back.arrival_s) == (1, 4, 0.5)
+    assert SamplingParams(**back.sampling_params) == SamplingParams(temperature=0.5, seed=3)
+    for bad, match in ((Request([1], [1], 2), "request_id"), (Request(2, [1], 2, sampling_params={"temp": 1}), "temp")):
+        with pytest.raises(InvalidInputError, match=match):
+            wl.save_trace([bad], tmp_path / "refused.jsonl")
+        assert not (tmp_path / "refused.jsonl").exists()  # nothing written
