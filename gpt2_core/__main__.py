@@ -22,6 +22,10 @@ def _generate(args) -> int:
 
     check_generation(model, prompt_ids, args.max_new_tokens)  # bad input is reported before any output
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    ignored = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
+    if args.temperature == 0 and ignored:
+        print(f"note: {', '.join(ignored)} only apply when sampling (--temperature > 0); decoding greedily",
+              file=sys.stderr)
     tokens = stream(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     sys.stdout.write(args.prompt)

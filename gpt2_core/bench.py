@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -470,10 +471,17 @@ BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": be
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
                   threads: int | None = None) -> dict:
-    if name not in BENCHMARKS:
-        from .errors import InvalidInputError
+    from .errors import InvalidInputError
 
+    if name not in BENCHMARKS:
         raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
+    if trace is not None and "trace" not in inspect.signature(BENCHMARKS[name]).parameters:
+        takes = [n for n, fn in BENCHMARKS.items() if "trace" in inspect.signature(fn).parameters]
+        raise InvalidInputError(f"--trace applies to {' and '.join(takes)}, not to {name!r}")
+    target = Path(json_path) if json_path else None
+    if target and (target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK)):
+        raise InvalidInputError(f"--json {json_path}: cannot write a file there (a folder, a missing folder, or no "
+                                f"permission); found now, not after minutes of benchmarking")
     quick = quick or QUICK
     with blas_threads(threads):
         kwargs = {"quick": quick}

@@ -338,6 +338,8 @@ def find_submissions(submissions_dir, chapters: list[str]) -> list[tuple[str, st
         for nb in sorted(student_dir.rglob("*.ipynb")):
             if ".ipynb_checkpoints" in nb.parts:
                 continue
+            if not nb.is_file():
+                raise ClassroomError(f"{nb}: not a notebook file (a folder, or a link to nothing)")
             if nb.stem not in chapters:
                 print(f"warning: {nb}: not named after a chapter ({', '.join(chapters)}); skipped", file=sys.stderr)
                 continue
@@ -365,6 +367,10 @@ def autograde(submissions_dir, out_csv=None, course_dir=None, notebooks_dir=None
     the grades and the chapters for which nbgrader reported an error (their other submissions are still graded)."""
     if not Path(submissions_dir).is_dir():
         raise ClassroomError(f"{submissions_dir}: not a directory of submissions (<student>/<chapter>.ipynb)")
+    out = Path(out_csv) if out_csv else None
+    if out and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)):
+        raise ClassroomError(f"--out {out_csv}: cannot write the grade table there (a folder, a missing folder, or "
+                             f"no permission); found now, not after grading")
     if course_dir and (Path(course_dir) / "gradebook.db").exists():
         course = Course(Path(course_dir).resolve())
         subs = find_submissions(submissions_dir, course.assignments)

@@ -41,6 +41,8 @@ def _read_header(path: Path) -> tuple[dict[str, dict], int]:
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
+    except OSError as e:  # a directory, no permission
+        raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
@@ -56,7 +58,7 @@ def _read_header(path: Path) -> tuple[dict[str, dict], int]:
             raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}") from None
         if not all(isinstance(o, int) and not isinstance(o, bool) for o in (begin, end)) or min(shape, default=0) < 0:
             raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}")
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype!r}, which this package does not read "
                                   f"(it reads {', '.join(ITEMSIZE)})")
         if not 0 <= begin <= end <= data_bytes:

@@ -62,6 +62,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidInputError(f"encode: expected text (str), got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # lone surrogates: bytes the terminal could not decode as UTF-8
+            raise InvalidInputError(f"encode: the text is not valid UTF-8 ({e.reason} at position {e.start})") from None
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import PRESETS, GPT2Config, preset
-from .errors import CheckpointError, InvalidInputError
+from .errors import CheckpointError, InvalidInputError, is_integer
 from .tokenizer import Tokenizer, tokenizer_for_directory
 
 DATA_DIR = Path(os.environ.get("GPT2_CORE_DATA", Path(__file__).resolve().parent.parent / "data"))
@@ -226,7 +226,7 @@ def read_state_dict(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
@@ -300,6 +300,10 @@ def random_model(name_or_config: str | GPT2Config = "gpt2", seed: int = 0) -> GP
     Matmul time does not depend on the values in the matrices, so a random GPT-2 124M is as slow as the real one.
     Weights ~ N(0, 0.02) as in GPT-2's initialisation; layer norms start at weight 1, bias 0.
     """
+    if not isinstance(name_or_config, (str, GPT2Config)):
+        raise InvalidInputError(f"random_model takes a preset name or a GPT2Config, got {type(name_or_config).__name__}")
+    if not is_integer(seed, 0):
+        raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
     config = name_or_config if isinstance(name_or_config, GPT2Config) else preset(name_or_config)
     rng = np.random.default_rng(seed)
     flat = {}

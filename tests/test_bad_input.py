@@ -6,7 +6,7 @@ again (found by a bug hunt on 2026-12-04).
 
 import numpy as np
 import pytest
-from helpers import TINY, tiny_model
+from helpers import TINY, config_json, tiny_model
 
 import gpt2_core
 from gpt2_core import kv_cache, model_runner
@@ -185,3 +185,59 @@ def test_save_trace_writes_numpy_values_as_json_and_refuses_what_load_trace_coul
         with pytest.raises(InvalidInputError, match=match):
             wl.save_trace([bad], tmp_path / "refused.jsonl")
         assert not (tmp_path / "refused.jsonl").exists()  # nothing written
+
+
+def test_random_model_names_a_bad_seed_or_shape():
+    for kwargs, match in (({"seed": -1}, "seed"), ({"seed": "a"}, "seed"), ({"seed": 1.5}, "seed"),
+                          ({"name_or_config": 123}, "preset name or a GPT2Config")):
+        with pytest.raises(InvalidInputError, match=match):
+            gpt2_core.random_model(**{"name_or_config": TINY, **kwargs})
+    assert gpt2_core.random_model(TINY, seed=np.int64(1)).config == TINY
+
+
+def run_cli(*args):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    return subprocess.run([sys.executable, "-m", "gpt2_core", *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+
+
+def test_the_cli_refuses_an_unwritable_json_path_and_a_misplaced_trace_before_any_work(tmp_path):
+    for args, message in ((("bench", "kv-cache", "--quick", "--json", str(tmp_path / "no" / "x.json")), "--json"),
+                          (("bench", "kv-cache", "--quick", "--json", str(tmp_path)), "--json"),
+                          (("bench", "kv-cache", "--quick", "--trace", str(tmp_path / "t.jsonl")), "--trace applies to")):
+        r = run_cli(*args)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_cli("generate", "Emma", "--max-new-tokens", "2", "--seed", "3")  # greedy: the seed does nothing
+    assert r.returncode == 0 and "--seed only apply when sampling" in r.stderr
+
+
+def test_loading_and_tokenising_bad_bytes_give_package_errors(tmp_path):
+    import json
+    import struct
+
+    header = json.dumps({"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}).encode()
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(CheckpointError, match="dtype"):
+        gpt2_core.safetensors_io.load_safetensors(bad)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        gpt2_core.safetensors_io.load_safetensors(tmp_path)  # a directory
+    (tmp_path / "config.json").write_text(json.dumps(config_json(TINY)))
+    (tmp_path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(CheckpointError, match="not a valid safetensors index"):
+        gpt2_core.load_model(tmp_path)
+    with pytest.raises(InvalidInputError, match="not valid UTF-8"):
+        gpt2_core.load_model().tokenizer.encode("caf\udcc3")  # how Python hands over undecodable argv bytes
+
+
+def test_find_submissions_refuses_a_folder_or_a_dead_link_named_like_a_notebook(tmp_path):
+    from gpt2_core import classroom
+
+    (tmp_path / "bob" / "01_small.ipynb").mkdir(parents=True)
+    with pytest.raises(classroom.ClassroomError, match="not a notebook file"):
+        classroom.find_submissions(tmp_path, ["01_small"])
+    with pytest.raises(classroom.ClassroomError, match="--out"):
+        classroom.autograde(tmp_path, out_csv=tmp_path / "missing" / "grades.csv")
