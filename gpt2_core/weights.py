@@ -183,6 +183,10 @@ def params_from_state_dict(state_dict: dict[str, np.ndarray], config: GPT2Config
             raise CheckpointError(f"{source}: tensor {name!r} appears twice (with and without 'transformer.')")
         flat[name] = value
 
+    held = {name.split(".")[1] for name in flat if name.startswith("h.")}  # block numbers the file holds
+    if config.n_layer > len(held):  # before a table of n_layer blocks is built: config.json may say 10**6
+        raise CheckpointError(f"{source}: config.json says n_layer={config.n_layer}, but the file holds "
+                              f"{len(held)} blocks")
     shapes = expected_shapes(config)
     missing = [k for k in shapes if k not in flat]
     if missing:

@@ -256,3 +256,11 @@ def test_a_tensor_given_twice_is_refused(tmp_path, model):
     sd = model.state_dict()
     sd["transformer.wte.weight"] = sd["wte.weight"] + 1
     expect_error(r"tensor 'wte.weight' appears twice", write_checkpoint(tmp_path, model, sd))
+
+
+def test_a_config_claiming_more_blocks_than_the_file_holds_is_refused_before_any_table_is_built(tmp_path, model):
+    directory = write_checkpoint(tmp_path, model)
+    config = json.loads((directory / "config.json").read_text())
+    config["n_layer"] = 10**9  # a table of 10**9 blocks' tensor names would not fit in memory
+    (directory / "config.json").write_text(json.dumps(config))
+    expect_error(rf"n_layer=1000000000, but the file holds {model.config.n_layer} blocks", directory)
