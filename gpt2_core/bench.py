@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -19,7 +18,7 @@ import numpy as np
 from . import kv_cache
 from .config import GPT2Config
 from .generation import next_token_logits
-from .errors import is_integer
+from .errors import is_integer, is_writable_file
 from .measure import QUICK, blas_threads, machine_info, median_time
 from .weights import GPT2Model, random_model
 
@@ -478,8 +477,7 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
     if trace is not None and "trace" not in inspect.signature(BENCHMARKS[name]).parameters:
         takes = [n for n, fn in BENCHMARKS.items() if "trace" in inspect.signature(fn).parameters]
         raise InvalidInputError(f"--trace applies to {' and '.join(takes)}, not to {name!r}")
-    target = Path(json_path) if json_path else None
-    if target and (target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK)):
+    if json_path and not is_writable_file(json_path):
         raise InvalidInputError(f"--json {json_path}: cannot write a file there (a folder, a missing folder, or no "
                                 f"permission); found now, not after minutes of benchmarking")
     quick = quick or QUICK

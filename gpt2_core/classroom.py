@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import GPT2Error
+from .errors import GPT2Error, is_writable_file
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # the repository, when gpt2_core runs from a checkout
 NOTEBOOKS_DIR = PACKAGE_ROOT / "notebooks"
@@ -367,8 +367,7 @@ def autograde(submissions_dir, out_csv=None, course_dir=None, notebooks_dir=None
     the grades and the chapters for which nbgrader reported an error (their other submissions are still graded)."""
     if not Path(submissions_dir).is_dir():
         raise ClassroomError(f"{submissions_dir}: not a directory of submissions (<student>/<chapter>.ipynb)")
-    out = Path(out_csv) if out_csv else None
-    if out and (out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK)):
+    if out_csv and not is_writable_file(out_csv):
         raise ClassroomError(f"--out {out_csv}: cannot write the grade table there (a folder, a missing folder, or "
                              f"no permission); found now, not after grading")
     if course_dir and (Path(course_dir) / "gradebook.db").exists():

@@ -2,10 +2,13 @@
 
 Every error a learner can cause (a bad file, a bad prompt, a bad sampling parameter) is raised as one of these,
 with a message that names the file, tensor, shape or parameter at fault. Catch ``GPT2Error`` to catch them all.
-``is_integer`` and ``is_real`` are the two type checks every such message starts from.
+``is_integer`` and ``is_real`` are the two type checks every such message starts from; ``is_writable_file`` the
+check of an output path, made before the work whose result it will hold.
 """
 
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -42,3 +45,9 @@ def is_real(value) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an int too large for a float (10**400), as a JSON file may hold
         return False
+
+
+def is_writable_file(path) -> bool:
+    """A file could be written at ``path``: not a folder, in a folder that exists and that we may write to."""
+    path = Path(path)
+    return not path.is_dir() and path.parent.is_dir() and os.access(path.parent, os.W_OK)

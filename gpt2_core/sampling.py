@@ -65,6 +65,18 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+def sampling_params_of(p) -> SamplingParams:
+    """``SamplingParams`` from what a request or a row was given: params, a dict of them, or None (greedy)."""
+    if p is None or isinstance(p, SamplingParams):
+        return p or SamplingParams()
+    if not isinstance(p, dict):
+        raise InvalidInputError(f"sampling_params must be a SamplingParams, a dict or None, got {type(p).__name__}")
+    try:
+        return SamplingParams(**p)
+    except TypeError as e:  # an unknown parameter name
+        raise InvalidInputError(f"bad sampling_params: {e}") from None
+
+
 class Sampler:
     """Samples tokens for one sequence with its own seeded generator."""
 

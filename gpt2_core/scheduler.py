@@ -141,18 +141,14 @@ class Scheduler:
         return out
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preemption by recompute: drop the KV, keep the tokens, queue it first."""
-        self.running.remove(seq)
-        self.store.free(seq.seq_id)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
+        """Preemption by recompute: drop the KV, keep the tokens, queue it first (``requeue``), and count it."""
+        self.requeue(seq)
         seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def requeue(self, seq: Sequence) -> None:
-        """Undo the scheduling of ``seq`` after its model step failed: its KV room freed, its tokens kept, queued
-        first (as a preemption does, without counting one). Called for a step's sequences in reverse order, it
+        """Put ``seq`` back at the front of the queue, its KV room freed and its tokens kept: a preemption, or the
+        undoing of a model step that failed (which counts no preemption). Called for a step's sequences in reverse order, it
         leaves them at the front of the queue in their order."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)

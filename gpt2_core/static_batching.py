@@ -26,7 +26,7 @@ from .generation import check_generation
 from .kv_store import claimed_zeros
 from .model import layer_norm, softmax
 from .model_runner import batched_linear, batched_lm_head, gelu_
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, sampling_params_of
 from .sequence import FinishReason, SequenceMetrics
 from .weights import GPT2Model
 
@@ -131,18 +131,6 @@ def static_kv_buffer(config, batch_size: int, columns: int) -> np.ndarray:
     machine, a process's first 850 MB took 7 s of page faults, the next 850 MB 0.1 s)."""
     shape = (2, config.n_layer, batch_size, config.n_head, columns, config.head_dim)
     return claimed_zeros(shape, np.float32, f"static batching's KV cache of {batch_size} rows x {columns} columns")
-
-
-def sampling_params_of(p) -> SamplingParams:
-    """``SamplingParams`` from what a row was given: params, a dict of them, or None (greedy)."""
-    if p is None or isinstance(p, SamplingParams):
-        return p or SamplingParams()
-    if not isinstance(p, dict):
-        raise InvalidInputError(f"sampling_params must be a SamplingParams, a dict or None, got {type(p).__name__}")
-    try:
-        return SamplingParams(**p)
-    except TypeError as e:  # an unknown parameter name
-        raise InvalidInputError(f"bad sampling_params: {e}") from None
 
 
 def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=None, stop_at_eos=True,
@@ -293,13 +281,9 @@ def _check_request(model: GPT2Model, r) -> str | None:
     """Why static batching cannot serve request ``r`` (the checks of the continuous engine), or None."""
     try:
         check_generation(model, r.prompt_token_ids, r.max_new_tokens)
-        p = r.sampling_params
-        if not isinstance(p, SamplingParams):
-            SamplingParams(**(p or {}))
+        sampling_params_of(r.sampling_params)
     except InvalidInputError as e:
         return str(e)
-    except TypeError as e:  # an unknown sampling parameter name, or sampling_params of the wrong kind
-        return f"bad sampling_params: {e}"
     s, V = r.stop_token_id, model.config.vocab_size
     if s is not None and not is_integer(s, 0, V - 1):
         return f"stop_token_id must be a token id in [0, {V}), got {s!r}"

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InvalidInputError, is_integer, is_real
-from .sampling import SamplingParams
+from .sampling import SamplingParams, sampling_params_of
 from .sequence import FinishReason, Request
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
@@ -88,10 +88,9 @@ def save_trace(requests, path, with_token_ids: bool = False) -> None:
         d["max_new_tokens"] = int(r.max_new_tokens)
         d["arrival_s"] = float(r.arrival_s)
         try:  # SamplingParams checks the values and stores Python numbers, which json can write
-            sp = (SamplingParams(**r.sampling_params) if isinstance(r.sampling_params, dict)
-                  else r.sampling_params or SamplingParams()).__dict__
-        except TypeError as e:  # an unknown parameter name: refused, not dropped
-            raise InvalidInputError(f"save_trace: request {request_id!r}: bad sampling_params: {e}") from None
+            sp = sampling_params_of(r.sampling_params).__dict__
+        except InvalidInputError as e:  # e.g. an unknown parameter name: refused, not dropped
+            raise InvalidInputError(f"save_trace: request {request_id!r}: {e}") from None
         defaults = SamplingParams().__dict__
         d.update({k: sp[k] for k in SAMPLING_KEYS if k in sp and sp[k] != defaults[k]})  # seed 0 is a seed
         if r.stop_at_eos:  # load_trace's default is False
