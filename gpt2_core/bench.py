@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import kv_cache
+from . import model as model_module
 from .config import GPT2Config
 from .generation import next_token_logits
 from .errors import is_integer, is_writable_file
@@ -221,7 +222,7 @@ def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> di
 
 def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> dict[str, float]:
     """``profile_decode_step``'s parts, timed inside real ``kv_cache.decode_step`` calls at ``position``: median
-    milliseconds per step of each part, plus ``everything else`` (Python, residual adds, ``np.split``, writing the
+    milliseconds per step of each part, plus ``everything else`` (Python, residual adds, ``split_qkv``, writing the
     cache, the embedding, the checks), the step's time less its timed parts and less the timers' own cost.
 
     Inside a step every part runs right after megabytes of weights have streamed through the caches, so the small
@@ -231,8 +232,6 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
     alone: a GEMV's part includes its bias add, and the layer norms include the head's (2L + 1 of them). The cost
     of a timer outside its own window (about a microsecond, measured on a no-op before the steps) is taken off
     ``everything else``, once per timed call."""
-    from . import model as model_module
-
     c = model.config
     for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("steps", steps, 1, None)):
         if not is_integer(value, low, high):
@@ -302,6 +301,79 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
     return {name: 1e3 * float(np.median([s[name] for s in per_step])) for name in per_step[0]}
 
 
+# Chapter 2, optimisation 5: chapter 1's functions as they were before it, to time whole steps both ways.
+
+def _layer_norm_by_mean(x, weight, bias, eps):  # layer_norm before: x.mean()
+    centred = x - x.mean(axis=-1, keepdims=True)  # [T, E]
+    var = (centred * centred).mean(axis=-1, keepdims=True)  # [T, 1]
+    return weight * centred / np.sqrt(var + np.float32(eps)) + bias  # [T, E]
+
+
+def _attention_always_masked(q, k, v):  # attention before: the mask built even for one query
+    T, S, D = q.shape[1], k.shape[1], q.shape[2]
+    scores = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(D))  # [H, T, S]
+    visible = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]  # [T, S]
+    return model_module.softmax(np.where(visible, scores, np.float32(-np.inf))) @ v  # [H, T, D]
+
+
+def _cached_self_attention_by_np_split(x, attn, n_head, cache, layer):  # before: np.split, then split_heads x 3
+    qkv = model_module.linear(x, **attn["c_attn"])  # [T, 3E]
+    q, k, v = (model_module.split_heads(a, n_head) for a in np.split(qkv, 3, axis=-1))  # 3 x [H, T, D]
+    k_all, v_all = cache.update(layer, k, v)
+    return model_module.linear(model_module.merge_heads(kv_cache.attention(q, k_all, v_all)), **attn["c_proj"])
+
+
+# Cumulative: each form keeps the changes of the one before it. Names are the attributes of ``kv_cache`` swapped.
+FEWER_CALLS_FORMS = {
+    "before": {"cached_self_attention": _cached_self_attention_by_np_split, "attention": _attention_always_masked,
+               "layer_norm": _layer_norm_by_mean},
+    "+ split_qkv": {"attention": _attention_always_masked, "layer_norm": _layer_norm_by_mean},
+    "+ no mask for one query": {"layer_norm": _layer_norm_by_mean},
+    "+ layer_norm by sum (after)": {},
+}
+
+
+def fewer_calls_side_by_side(model: GPT2Model, position: int = 256, rounds: int = 100) -> dict:
+    """Chapter 2's optimisation 5 on whole decode steps: ``decode_step`` at ``position`` with chapter 1's functions
+    as they were before it and after each of its three changes (``FEWER_CALLS_FORMS``, swapped into ``kv_cache``
+    for the length of the measurement). One step of each form per round, in turn, so that all forms share every
+    moment of the machine's drift. -> {form: {"seconds_per_step": median, "same_logits": bool}}: the logits of
+    each form's first step, compared bit for bit with the current code's."""
+    c = model.config
+    for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("rounds", rounds, 1, None)):
+        if not is_integer(value, low, high):
+            raise ValueError(f"fewer_calls_side_by_side: {name} must be an integer from {low}"
+                             f"{f' to {high}' if high is not None else ''}, got {value!r}")
+    rng = np.random.default_rng(5)
+    _, cache = kv_cache.prefill(model, rng.integers(0, c.vocab_size, size=position), capacity=position + 1,
+                                last_only=True)
+    token = int(rng.integers(c.vocab_size))
+    current = {name: getattr(kv_cache, name) for name in FEWER_CALLS_FORMS["before"]}
+
+    def step():
+        cache.length = position  # the same position every step
+        return kv_cache.decode_step(model, token, cache)
+
+    reference = step()
+    times: dict[str, list[float]] = {form: [] for form in FEWER_CALLS_FORMS}
+    same = {}
+    try:
+        for r in range(rounds + 1):  # round 0 warms every form up and checks its logits
+            for form, swaps in FEWER_CALLS_FORMS.items():
+                for name, fn in current.items():
+                    setattr(kv_cache, name, swaps.get(name, fn))
+                t0 = time.perf_counter()
+                logits = step()
+                if r:
+                    times[form].append(time.perf_counter() - t0)
+                else:
+                    same[form] = bool(np.array_equal(logits, reference))
+    finally:
+        for name, fn in current.items():
+            setattr(kv_cache, name, fn)
+    return {form: {"seconds_per_step": float(np.median(t)), "same_logits": same[form]} for form, t in times.items()}
+
+
 def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     model = random_model("gpt2", seed=0)
     threads = threads or _current_blas_threads()
@@ -353,6 +425,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
                     "tokens_per_s": prefill_len / t_prefill, "seconds": t_prefill})
     profile = profile_decode_step(model, positions[-1] // 2)
     profile_in_step = profile_decode_in_step(model, positions[-1] // 2)
+    fewer_calls = fewer_calls_side_by_side(model, positions[-1] // 2, rounds=30 if quick else 150)
     by_kind = [gemv_chain_by_kind(model) for _ in range(3 if quick else 9)]  # bytes/s per round
     ratios = {
         "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],
@@ -363,7 +436,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     }
     return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
             "results": results, "ratios": ratios, "profile_ms_per_step": profile,
-            "profile_in_step_ms_per_step": profile_in_step,
+            "profile_in_step_ms_per_step": profile_in_step, "fewer_calls_side_by_side": fewer_calls,
             "gemv_bytes_per_s_by_kind": by_kind}
 
 

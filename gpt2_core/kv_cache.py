@@ -2,7 +2,7 @@
 
 In chapter 1, step n recomputes the keys and values of all n earlier tokens, though they never change: a token's
 K and V depend only on the tokens before it. Here each layer writes the new token's K/V into a preallocated
-cache and attends over everything cached so far. Every layer function (``linear``, ``split_heads``,
+cache and attends over everything cached so far. Every layer function (``linear``, ``split_qkv``,
 ``attention``, ``mlp``, ...) is chapter 1's, imported unchanged; only the attention's source of K/V moves.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .generation import check_generation, positions_needed
-from .model import attention, embed, layer_norm, linear, merge_heads, mlp, split_heads
+from .model import attention, embed, layer_norm, linear, merge_heads, mlp, split_qkv
 from .sampling import Sampler, SamplingParams
 from .weights import GPT2Model
 
@@ -58,7 +58,7 @@ class KVCache:
 
 def cached_self_attention(x, attn, n_head, cache: KVCache, layer: int):  # x [T, E] -> [T, E]
     qkv = linear(x, **attn["c_attn"])  # [T, 3E]
-    q, k, v = (split_heads(a, n_head) for a in np.split(qkv, 3, axis=-1))  # 3 x [H, T, D]
+    q, k, v = split_qkv(qkv, n_head)  # 3 x [H, T, D]
     k_all, v_all = cache.update(layer, k, v)  # [H, S, D] with S = cached + T
     return linear(merge_heads(attention(q, k_all, v_all)), **attn["c_proj"])  # [T, E]
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from .kv_cache import lm_head_fast
 from .kv_store import KVStore
-from .model import GELU_C, attention, layer_norm
+from .model import GELU_C, attention, layer_norm, split_qkv
 from .weights import GPT2Model
 
 
@@ -159,7 +159,7 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk],
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
         qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"], gemv_max_rows=g)  # [N, 3E]
-        q, k, v = qkv.reshape(len(x), 3, H, D).transpose(1, 2, 0, 3)  # 3 x [H, N, D] views, no copy
+        q, k, v = split_qkv(qkv, H)  # 3 x [H, N, D] views, no copy
         q_scaled = q * scale  # [H, N, D] for the decode path, scaled once for all rows
         out = np.empty((len(x), H, D), dtype=x.dtype)  # [N, H, D]
         for chunk, (a, b) in zip(chunks, spans):

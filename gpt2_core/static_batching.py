@@ -91,7 +91,7 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
         qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [B*T, 3E]
-        q, k, v = (a.reshape(B, T, H, D).transpose(0, 2, 1, 3) for a in np.split(qkv, 3, axis=-1))  # [B, H, T, D]
+        q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # 3 x [B, H, T, D] (views, as split_qkv)
         cache.k[layer, :, :, start:end] = k
         cache.v[layer, :, :, start:end] = v
         K, V = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, H, S, D]

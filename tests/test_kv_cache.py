@@ -194,3 +194,40 @@ def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monk
             bench.profile_decode_in_step(m, **{"position": 20, "steps": 3, **bad})
     with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
         bench.gemv_chain_by_kind(m, repeats=0)
+
+
+def test_fewer_calls_side_by_side_times_every_form_checks_its_logits_and_puts_chapter_1_back(monkeypatch):
+    from gpt2_core import GPT2Config, bench, model as model_module, random_model
+
+    config = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_head=2, n_layer=2)
+    m = random_model(config, seed=0)
+    result = bench.fewer_calls_side_by_side(m, position=20, rounds=3)
+    assert list(result) == list(bench.FEWER_CALLS_FORMS)  # before, then each change added in turn
+    assert all(r["seconds_per_step"] > 0 and r["same_logits"] is True for r in result.values()), result
+    assert kv.attention is model_module.attention and kv.layer_norm is model_module.layer_norm
+    assert kv.cached_self_attention.__name__ == "cached_self_attention"
+
+    # the earlier forms compute chapter 1's numbers, bit for bit, for any number of rows and queries
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 32), dtype=np.float32)
+    w, b = rng.standard_normal((2, 32), dtype=np.float32)
+    np.testing.assert_array_equal(bench._layer_norm_by_mean(x, w, b, 1e-5), model_module.layer_norm(x, w, b, 1e-5))
+    q, k, v = rng.standard_normal((3, 2, 4, 8), dtype=np.float32)
+    for T in (1, 4):
+        np.testing.assert_array_equal(bench._attention_always_masked(q[:, -T:], k, v),
+                                      model_module.attention(q[:, -T:], k, v))
+
+    # the logit check is real: with a layer norm that differs, the forms that swap in the old one are told apart
+    monkeypatch.setattr(kv, "layer_norm", lambda x, weight, bias, eps: model_module.layer_norm(x, weight, bias, 1e-2))
+    result = bench.fewer_calls_side_by_side(m, position=20, rounds=1)
+    assert [r["same_logits"] for r in result.values()] == [False, False, False, True]
+
+    def broken(*args):
+        raise RuntimeError("a step that fails")
+    monkeypatch.setattr(kv, "decode_step", broken)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        bench.fewer_calls_side_by_side(m, position=20, rounds=1)
+    assert kv.attention is model_module.attention and kv.cached_self_attention.__name__ == "cached_self_attention"
+    for bad in ({"position": 0}, {"position": 64}, {"rounds": 0}, {"rounds": 2.0}):
+        with pytest.raises(ValueError, match=f"fewer_calls_side_by_side: {next(iter(bad))} must be"):
+            bench.fewer_calls_side_by_side(m, **{"position": 20, "rounds": 3, **bad})
