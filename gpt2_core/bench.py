@@ -336,8 +336,8 @@ FEWER_CALLS_FORMS = {
 def fewer_calls_side_by_side(model: GPT2Model, position: int = 256, rounds: int = 100) -> dict:
     """Chapter 2's optimisation 5 on whole decode steps: ``decode_step`` at ``position`` with chapter 1's functions
     as they were before it and after each of its three changes (``FEWER_CALLS_FORMS``, swapped into ``kv_cache``
-    for the length of the measurement). One step of each form per round, in turn, so that all forms share every
-    moment of the machine's drift. -> {form: {"seconds_per_step": median, "same_logits": bool}}: the logits of
+    for the length of the measurement). One step of each form per round, each round starting with the next form, so
+    that all forms share every moment of the machine's drift and none always follows another. -> {form: {"seconds_per_step": median, "same_logits": bool}}: the logits of
     each form's first step, compared bit for bit with the current code's."""
     c = model.config
     for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("rounds", rounds, 1, None)):
@@ -358,8 +358,10 @@ def fewer_calls_side_by_side(model: GPT2Model, position: int = 256, rounds: int 
     times: dict[str, list[float]] = {form: [] for form in FEWER_CALLS_FORMS}
     same = {}
     try:
+        forms = list(FEWER_CALLS_FORMS)
         for r in range(rounds + 1):  # round 0 warms every form up and checks its logits
-            for form, swaps in FEWER_CALLS_FORMS.items():
+            for form in forms[r % len(forms):] + forms[:r % len(forms)]:  # each round starts with the next form
+                swaps = FEWER_CALLS_FORMS[form]
                 for name, fn in current.items():
                     setattr(kv_cache, name, swaps.get(name, fn))
                 t0 = time.perf_counter()

@@ -56,8 +56,8 @@ def split_qkv(qkv, n_head):  # qkv [T, 3E] -> q, k, v [H, T, D] each
     """Q, K and V lie side by side in c_attn's output, each [T, E] made of H heads of D: one reshape and one
     transpose split all three and their heads at once, as views of ``qkv``. The same as ``np.split`` into three
     and ``split_heads`` on each, in two NumPy calls instead of seven (chapter 2, optimisation 5)."""
-    T = qkv.shape[0]
-    return qkv.reshape(T, 3, n_head, -1).transpose(1, 2, 0, 3)  # [3, H, T, D]
+    T, E3 = qkv.shape
+    return qkv.reshape(T, 3, n_head, E3 // (3 * n_head)).transpose(1, 2, 0, 3)  # [3, H, T, D]
 
 
 def merge_heads(x):  # x [H, T, D] -> [T, E]

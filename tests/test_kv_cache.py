@@ -222,11 +222,17 @@ def test_fewer_calls_side_by_side_times_every_form_checks_its_logits_and_puts_ch
     result = bench.fewer_calls_side_by_side(m, position=20, rounds=1)
     assert [r["same_logits"] for r in result.values()] == [False, False, False, True]
 
-    def broken(*args):
-        raise RuntimeError("a step that fails")
-    monkeypatch.setattr(kv, "decode_step", broken)
+    calls, decode_step = [], kv.decode_step
+
+    def fails_after_the_first(*args):  # the reference step works; a step with a form swapped in fails
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("a step that fails")
+        return decode_step(*args)
+    monkeypatch.setattr(kv, "decode_step", fails_after_the_first)
     with pytest.raises(RuntimeError, match="a step that fails"):
         bench.fewer_calls_side_by_side(m, position=20, rounds=1)
+    assert len(calls) == 2  # it failed inside the measurement, with the "before" forms swapped in
     assert kv.attention is model_module.attention and kv.cached_self_attention.__name__ == "cached_self_attention"
     for bad in ({"position": 0}, {"position": 64}, {"rounds": 0}, {"rounds": 2.0}):
         with pytest.raises(ValueError, match=f"fewer_calls_side_by_side: {next(iter(bad))} must be"):
