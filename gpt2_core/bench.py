@@ -337,8 +337,9 @@ def fewer_calls_side_by_side(model: GPT2Model, position: int = 256, rounds: int 
     """Chapter 2's optimisation 5 on whole decode steps: ``decode_step`` at ``position`` with chapter 1's functions
     as they were before it and after each of its three changes (``FEWER_CALLS_FORMS``, swapped into ``kv_cache``
     for the length of the measurement). One step of each form per round, each round starting with the next form, so
-    that all forms share every moment of the machine's drift and none always follows another. -> {form: {"seconds_per_step": median, "same_logits": bool}}: the logits of
-    each form's first step, compared bit for bit with the current code's."""
+    that all forms share every moment of the machine's drift and none always follows another.
+    -> {form: {"seconds_per_step": median, "same_logits": bool}}: the logits of each form's first step, compared bit
+    for bit with the current code's."""
     c = model.config
     for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("rounds", rounds, 1, None)):
         if not is_integer(value, low, high):
