@@ -220,6 +220,15 @@ def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> di
     return ms
 
 
+def _check_integers(where: str, *checks) -> None:
+    """``ValueError`` naming ``where`` and the argument, unless each ``(name, value, least, most)`` holds an integer
+    in ``least .. most`` (``most`` None: no upper limit)."""
+    for name, value, low, high in checks:
+        if not is_integer(value, low, high):
+            raise ValueError(f"{where}: {name} must be an integer from {low}"
+                             f"{f' to {high}' if high is not None else ''}, got {value!r}")
+
+
 def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> dict[str, float]:
     """``profile_decode_step``'s parts, timed inside real ``kv_cache.decode_step`` calls at ``position``: median
     milliseconds per step of each part, plus ``everything else`` (Python, residual adds, ``split_qkv``, writing the
@@ -233,10 +242,7 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
     of a timer outside its own window (about a microsecond, measured on a no-op before the steps) is taken off
     ``everything else``, once per timed call."""
     c = model.config
-    for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("steps", steps, 1, None)):
-        if not is_integer(value, low, high):
-            raise ValueError(f"profile_decode_in_step: {name} must be an integer from {low}"
-                             f"{f' to {high}' if high is not None else ''}, got {value!r}")
+    _check_integers("profile_decode_in_step", ("position", position, 1, c.n_positions - 1), ("steps", steps, 1, None))
     gemv_names = {(c.n_embd, 3 * c.n_embd): "c_attn (E x 3E)", (c.n_embd, c.n_embd): "attn c_proj (E x E)",
                   (c.n_embd, 4 * c.n_embd): "mlp c_fc (E x 4E)", (4 * c.n_embd, c.n_embd): "mlp c_proj (4E x E)"}
     names = [*gemv_names.values(), "attention over the cache", "layer norms + GELU", "lm head (E x V)"]
@@ -341,10 +347,8 @@ def fewer_calls_side_by_side(model: GPT2Model, position: int = 256, rounds: int 
     -> {form: {"seconds_per_step": median, "same_logits": bool}}: the logits of each form's first step, compared bit
     for bit with the current code's."""
     c = model.config
-    for name, value, low, high in (("position", position, 1, c.n_positions - 1), ("rounds", rounds, 1, None)):
-        if not is_integer(value, low, high):
-            raise ValueError(f"fewer_calls_side_by_side: {name} must be an integer from {low}"
-                             f"{f' to {high}' if high is not None else ''}, got {value!r}")
+    _check_integers("fewer_calls_side_by_side", ("position", position, 1, c.n_positions - 1),
+                    ("rounds", rounds, 1, None))
     rng = np.random.default_rng(5)
     _, cache = kv_cache.prefill(model, rng.integers(0, c.vocab_size, size=position), capacity=position + 1,
                                 last_only=True)

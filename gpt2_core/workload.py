@@ -72,13 +72,18 @@ def standard_workload(num_requests: int = 48, seed: int = 0, request_rate: float
 # JSONL traces
 
 
+def is_trace_id(value) -> bool:
+    """A ``request_id`` a trace line can hold: a JSON string or integer, never a bool."""
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
 def save_trace(requests, path, with_token_ids: bool = False) -> None:
     """Write ``requests`` as JSONL (``prompt_len`` only, unless ``with_token_ids``). Every request is checked
     before the file is written: a request_id must be a str or an int, the sampling parameters valid ones."""
     lines = []
     for r in requests:
         request_id = r.request_id.item() if isinstance(r.request_id, np.integer) else r.request_id
-        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        if not is_trace_id(request_id):
             raise InvalidInputError(f"save_trace: request_id must be a str or an int, got {r.request_id!r}")
         d = {"request_id": request_id}
         if with_token_ids:
@@ -149,7 +154,7 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
         if not isinstance(d.get("stop_at_eos", False), bool):
             raise InvalidInputError(f"{path}:{n}: 'stop_at_eos' must be true or false, got {d['stop_at_eos']!r}")
         request_id = d.get("request_id", n - 1)
-        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+        if not is_trace_id(request_id):
             raise InvalidInputError(f"{path}:{n}: 'request_id' must be a string or an integer, got {request_id!r}")
         if request_id in seen:
             raise InvalidInputError(f"{path}:{n}: request_id {request_id!r} is used by an earlier line")
