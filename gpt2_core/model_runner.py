@@ -28,8 +28,9 @@ class Chunk:
 
 
 def decode_attention(q, k, v):  # q [H, 1, D] already scaled by 1/sqrt(D); k, v [H, S, D] -> [H, 1, D]
-    """Chapter 1's ``attention`` for a single query, fused: no mask (the query is the last position, it sees
-    every key) and the softmax normalised after the product with V. Half the NumPy calls; in a batch of 32
+    """Chapter 1's ``attention`` for a single query (the last position: it sees every key, no mask), fused: the
+    query arrives scaled (``ragged_forward`` scales all rows of a layer at once) and the softmax is normalised
+    after the product with V, dividing an [H, 1, D] array instead of the [H, 1, S] scores. In a batch of 32
     decoding sequences these calls, one set per sequence and layer, are a visible share of the step."""
     s = q @ k.transpose(0, 2, 1)  # [H, 1, S]
     e = np.exp(s - s.max(axis=-1, keepdims=True))  # [H, 1, S]

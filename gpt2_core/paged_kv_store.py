@@ -1,10 +1,10 @@
 """Chapter 4: the paged KV store — chapter 3's ``KVStore`` interface over a pool of fixed-size blocks.
 
-One preallocated pool per layer for K and one for V, ``[H, num_blocks * block_size, D]``: physical block ``b`` is
-token slots ``b * block_size .. (b + 1) * block_size - 1``. A sequence's logical position ``p`` lives in slot
-``block_table[p // block_size] * block_size + p % block_size``; ``update`` writes the new K/V into those slots
-and gathers the sequence's K/V back in position order with one ``np.take`` per array — no loop over tokens or
-blocks. The gathered arrays hold the same float32 values as chapter 3's contiguous slot, so attention, and every
+One preallocated pool ``[L, num_blocks * block_size, 2, H, D]`` (in each layer, a token slot's K and V side by
+side); physical block ``b`` is token slots ``b * block_size .. (b + 1) * block_size - 1``. A sequence's logical
+position ``p`` lives in slot ``block_table[p // block_size] * block_size + p % block_size``; ``update`` writes the
+new K/V into those slots and gathers the sequence's K and V back in position order with one ``np.take`` — no loop
+over tokens or blocks. The gathered arrays hold the same float32 values as chapter 3's contiguous slot, so attention, and every
 logit after it, are identical.
 
 The chapter 3 engine drives it through the same methods as ``ContiguousKVStore``; only the memory changes.
