@@ -16,17 +16,18 @@ the others are not disturbed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidInputError, is_integer, is_real
+from .errors import CacheCapacityError, InvalidInputError, is_integer, is_real
 from .kv_store import ContiguousKVStore, KVStore
 from .model_runner import Chunk, ragged_forward
 from .sampling import Sampler, SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_limits
 from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus
 from .weights import GPT2Model
 
@@ -81,16 +82,18 @@ class LLMEngine:
     def __init__(self, model: GPT2Model, store: KVStore | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_len: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_len", 1 if max_len is None else max_len)):
-            if not is_integer(value, 1):
-                raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+        check_limits(max_num_seqs, max_num_batched_tokens)  # before the default store takes its memory
+        if max_len is not None and not is_integer(max_len, 1):
+            raise InvalidInputError(f"max_len must be a positive integer, got {max_len!r}")
         if store is None:
             store = ContiguousKVStore(model.config, num_slots=int(max_num_seqs), max_len=max_len)
         elif max_len is not None:
             raise InvalidInputError("max_len sizes the default store; a store passed in has its own size")
         else:
             check_store_fits(store, model)
+            if store.reserved_tokens():  # its sequences are someone else's: their ids would collide with ours
+                raise InvalidInputError(f"the KV store already holds room for {store.reserved_tokens()} tokens of "
+                                        f"other sequences; an engine needs a store of its own")
         self.model, self.store, self.clock = model, store, clock
         self.scheduler = Scheduler(store, int(max_num_seqs), int(max_num_batched_tokens), model.config.n_positions)
         self.sequences: dict[int, Sequence] = {}  # seq_id -> Sequence, all ever added
@@ -100,6 +103,7 @@ class LLMEngine:
         self.step_stats: list[StepStats] = []
         self.num_steps = 0
         self._next_id = 0
+        self._in_step = False  # see step(): a step must not start inside another
 
     # -- requests -------------------------------------------------------------------------------------------------
     def add_request(self, request: Request, arrival_time: float | None = None,
@@ -111,6 +115,8 @@ class LLMEngine:
         self._check_new([request])
         if arrival_time is not None and not is_real(arrival_time):
             raise InvalidInputError(f"arrival_time must be a finite number (clock seconds), got {arrival_time!r}")
+        if on_token is not None and not callable(on_token):
+            raise InvalidInputError(f"on_token must be a function (seq, token) or None, got {on_token!r}")
         seq_id, self._next_id = self._next_id, self._next_id + 1
         now = self.clock() if arrival_time is None else arrival_time
         seq = Sequence(seq_id, request, arrival_time=now)
@@ -163,6 +169,8 @@ class LLMEngine:
             return str(e)
         except TypeError as e:  # e.g. an unknown sampling parameter name in a dict
             return f"bad sampling_params: {e}"
+        if r.logits_processor is not None and not callable(r.logits_processor):
+            return f"logits_processor must be a function (token_ids, logits) -> logits, got {r.logits_processor!r}"
         m = r.max_new_tokens
         if not is_integer(m, 0):
             return f"max_new_tokens must be an integer >= 0, got {m!r}"
@@ -185,10 +193,27 @@ class LLMEngine:
 
     # -- one step -------------------------------------------------------------------------------------------------
     def step(self) -> list[tuple[object, int]]:
-        """Schedule, run one ragged model step, sample. Returns the ``(request_id, new_token)`` pairs produced."""
+        """Schedule, run one ragged model step, sample. Returns the ``(request_id, new_token)`` pairs produced.
+
+        A step cannot start inside another: an ``on_token`` callback or a ``logits_processor`` that calls
+        ``step`` (or ``stream``, ``run_until_done``, ``generate_many``) gets an ``InvalidInputError``, so its own
+        request fails and the step in progress finishes as if it had not been called."""
+        if self._in_step:
+            raise InvalidInputError("step() was called from inside a step (from an on_token callback or a "
+                                    "logits_processor); return instead, the caller steps again")
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+
+    def _step(self) -> list[tuple[object, int]]:
         start = self.clock()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            if self.scheduler.waiting and not (self.scheduler.running or plan.preempted):  # no one will free room
+                raise CacheCapacityError(f"{len(self.scheduler.waiting)} request(s) wait, none is running, and the "
+                                         f"KV store has no room for the first: something else holds its memory")
             return []
         for seq in plan.scheduled:
             if seq.metrics.first_scheduled_time is None:
@@ -245,7 +270,7 @@ class LLMEngine:
             except Exception as e:
                 seq.error = f"request {request_id!r}: on_token raised {type(e).__name__}: {e}"
                 self._finish(seq, FinishReason.ERROR, now)
-                del self._callbacks[seq.seq_id]  # no more tokens for a callback that failed
+                self._callbacks.pop(seq.seq_id, None)  # no more tokens for a callback that failed
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
         if seq.request.logits_processor is not None:
@@ -310,6 +335,9 @@ def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
         a = r.arrival_s
         if not is_real(a) or a < 0:
             raise InvalidInputError(f"request {r.request_id!r}: arrival_s must be a finite number >= 0, got {a!r}")
+        if not is_real(a * time_scale):
+            raise InvalidInputError(f"request {r.request_id!r}: arrival_s x time_scale = {a * time_scale!r}, past any "
+                                    f"clock")
     queue = sorted(requests, key=lambda r: r.arrival_s)
     ids, i, t0, tick = [], 0, engine.clock(), 0
     while i < len(queue) or engine.has_unfinished():
@@ -322,5 +350,7 @@ def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
             engine.step()
         elif i < len(queue) and clock == "wall":  # idle until the next arrival
             time.sleep(max(0.0, t0 + queue[i].arrival_s * time_scale - engine.clock()))
+        elif i < len(queue):  # on the step clock, skip the idle steps at once
+            tick = max(tick, math.ceil(queue[i].arrival_s * time_scale) - 1)
         tick += 1
     return [RequestOutput.from_sequence(engine.sequences[j]) for j in ids]

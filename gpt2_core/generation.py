@@ -16,11 +16,13 @@ from .sampling import Sampler, SamplingParams
 from .weights import GPT2Model
 
 
-def check_generation(model: GPT2Model, token_ids, max_new_tokens) -> list[int]:
-    """Validate a prompt and a length budget before any work; return the prompt as a list of ints."""
+def check_generation(model: GPT2Model, token_ids, max_new_tokens, stop_at_eos=True) -> list[int]:
+    """Validate a prompt, a length budget and ``stop_at_eos`` before any work; return the prompt as a list of ints."""
     ids = model.check_tokens(token_ids)
     if not is_integer(max_new_tokens, 0):
         raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not isinstance(stop_at_eos, (bool, np.bool_)):  # "no" would be true
+        raise InvalidInputError(f"stop_at_eos must be True or False, got {stop_at_eos!r}")
     n_ctx, needed = model.config.n_positions, positions_needed(len(ids), max_new_tokens)
     if needed > n_ctx:
         raise InvalidInputError(f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} needs {needed} "
@@ -44,7 +46,7 @@ def generate_stream(model: GPT2Model, token_ids, max_new_tokens: int, temperatur
                     stop_at_eos: bool = True) -> Iterator[int]:
     """Yield new token ids one at a time; stops after ``<|endoftext|>`` (which is yielded) or ``max_new_tokens``."""
     sample = Sampler(SamplingParams(temperature, top_k, top_p, seed))  # validates the parameters first
-    ids = check_generation(model, token_ids, max_new_tokens)
+    ids = check_generation(model, token_ids, max_new_tokens, stop_at_eos)
     eos = model.config.eos_token_id if stop_at_eos else None
     for _ in range(max_new_tokens):
         token = sample(next_token_logits(model, ids))

@@ -117,7 +117,7 @@ def generate_stream(model: GPT2Model, token_ids, max_new_tokens: int, temperatur
                     stop_at_eos: bool = True) -> Iterator[int]:
     """Chapter 1's ``generate_stream``, same signature and same tokens, with a KV cache."""
     sample = Sampler(SamplingParams(temperature, top_k, top_p, seed))
-    ids = check_generation(model, token_ids, max_new_tokens)
+    ids = check_generation(model, token_ids, max_new_tokens, stop_at_eos)
     if max_new_tokens == 0:
         return
     eos = model.config.eos_token_id if stop_at_eos else None

@@ -137,6 +137,8 @@ class ContiguousKVStore(KVStore):
 
     def update(self, seq_id, layer: int, start: int, k, v):
         slot, end = self.slot_of[seq_id], start + k.shape[1]
+        if start < 0:  # a negative index would write at the slot's far end
+            raise InvalidInputError(f"sequence {seq_id!r}: update at position {start}; positions start at 0")
         if end > self.max_len:
             raise CacheCapacityError(f"sequence {seq_id!r}: position {end - 1} is past its slot of {self.max_len}")
         self.k[slot, layer, :, start:end] = k

@@ -16,7 +16,7 @@ import numpy as np
 
 from .block_manager import BlockManager, blocks_needed
 from .config import GPT2Config
-from .errors import CacheCapacityError, InvalidInputError, is_integer
+from .errors import CacheCapacityError, InvalidInputError, is_integer, is_real
 from .kv_store import KVStore, claimed_zeros
 
 
@@ -51,6 +51,8 @@ class PagedKVStore(KVStore):
         """As many blocks as fit in ``budget_bytes`` of K/V memory (``kv_cache_bytes`` of the pool <= budget)."""
         if not is_integer(block_size, 1):
             raise InvalidInputError(f"block_size must be a positive integer, got {block_size!r}")
+        if not is_real(budget_bytes) or budget_bytes < 0:
+            raise InvalidInputError(f"budget_bytes must be a finite number of bytes >= 0, got {budget_bytes!r}")
         per_block = 2 * config.n_layer * config.n_head * config.head_dim * block_size * np.dtype(dtype).itemsize
         num_blocks = int(budget_bytes // per_block)
         if num_blocks < 1:
@@ -95,6 +97,8 @@ class PagedKVStore(KVStore):
         H, T, D = k.shape
         end = start + T
         slots = self.slots[seq_id]
+        if start < 0:  # checked before anything is written: a negative index would pick slots from the end
+            raise InvalidInputError(f"sequence {seq_id!r}: update at position {start}; positions start at 0")
         if end > len(slots):
             raise CacheCapacityError(f"sequence {seq_id!r}: position {end - 1} is past its {len(slots)} reserved "
                                      f"slots (call ensure first)")

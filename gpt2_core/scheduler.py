@@ -60,15 +60,20 @@ def num_to_admit(waiting_lens, num_running: int, max_num_seqs: int, num_batched_
     return n
 
 
+def check_limits(max_num_seqs, max_num_batched_tokens) -> None:
+    """The scheduler's two limits, or an ``InvalidInputError`` naming the one that is wrong."""
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not is_integer(value, 1):
+            raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+    if max_num_batched_tokens < max_num_seqs:
+        raise InvalidInputError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
+                                f"{max_num_seqs}: every running sequence needs one token per step")
+
+
 class Scheduler:
     def __init__(self, store: KVStore, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not is_integer(value, 1):
-                raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
-        if max_num_batched_tokens < max_num_seqs:
-            raise InvalidInputError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
-                                    f"{max_num_seqs}: every running sequence needs one token per step")
+        check_limits(max_num_seqs, max_num_batched_tokens)
         self.store = store
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)

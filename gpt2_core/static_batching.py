@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import CacheCapacityError, InvalidInputError, is_integer
+from .errors import CacheCapacityError, InvalidInputError, is_integer, is_real
 from .generation import check_generation
 from .kv_store import claimed_zeros
 from .model import layer_norm, softmax
@@ -247,7 +247,13 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
         raise InvalidInputError(f"clock must be 'wall' or 'offline', got {clock!r}")
     if not is_integer(batch_size, 1):
         raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
-    requests = sorted(requests, key=lambda r: r.arrival_s)
+    requests = list(requests)
+    for r in requests:  # as the engine's replay: a time that is not one refuses the whole call
+        a = getattr(r, "arrival_s", None)
+        if not is_real(a) or a < 0:
+            raise InvalidInputError(f"request {getattr(r, 'request_id', '?')!r}: arrival_s must be a finite number "
+                                    f">= 0, got {a!r}")
+    requests.sort(key=lambda r: r.arrival_s)
     errors = {id(r): e for r in requests if (e := _check_request(model, r)) is not None}  # each fails alone
     valid = [r for r in requests if id(r) not in errors]
     kv_buffer = None
@@ -258,7 +264,8 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
     for r in requests:
         if id(r) in errors:
             m = SequenceMetrics(arrival_time=t0 + r.arrival_s, token_times=[], finished_time=t0 + r.arrival_s)
-            results[id(r)] = RequestOutput(r.request_id, list(r.prompt_token_ids), [], FinishReason.ERROR,
+            prompt = list(r.prompt_token_ids) if isinstance(r.prompt_token_ids, (list, tuple, np.ndarray)) else []
+            results[id(r)] = RequestOutput(r.request_id, prompt, [], FinishReason.ERROR,
                                            f"request {r.request_id!r}: {errors[id(r)]}", m)
     for batch in arrival_batches(valid, batch_size, clock, t0):
         start = time.perf_counter()
@@ -282,9 +289,15 @@ def _check_request(model: GPT2Model, r) -> str | None:
     try:
         check_generation(model, r.prompt_token_ids, r.max_new_tokens)
         sampling_params_of(r.sampling_params)
+        s, V = r.stop_token_id, model.config.vocab_size
+        if s is not None and not is_integer(s, 0, V - 1):
+            return f"stop_token_id must be a token id in [0, {V}), got {s!r}"
+        if not isinstance(r.stop_at_eos, (bool, np.bool_)):
+            return f"stop_at_eos must be True or False, got {r.stop_at_eos!r}"
+        if r.logits_processor is not None:  # a padded batch samples all rows at once: no per-request hook
+            return "static batching runs no logits_processor (the continuous engine does)"
     except InvalidInputError as e:
         return str(e)
-    s, V = r.stop_token_id, model.config.vocab_size
-    if s is not None and not is_integer(s, 0, V - 1):
-        return f"stop_token_id must be a token id in [0, {V}), got {s!r}"
+    except Exception as e:  # whatever is wrong with it, the request fails alone
+        return f"invalid request ({type(e).__name__}: {e})"
     return None

@@ -27,12 +27,26 @@ from .sampling import SamplingParams, sampling_params_of
 from .sequence import FinishReason, Request
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+MAX_PROMPT_LEN = 1_000_000  # a trace's prompt_len, at most: far past any context, and a bounded allocation
 
 
 def lognormal_lengths(rng: np.random.Generator, n: int, median: float, sigma: float, low: int, high: int) -> list:
     """``n`` integer lengths, log-normal around ``median`` (long right tail), clipped to [low, high]."""
     x = rng.lognormal(np.log(median), sigma, size=n)
     return np.clip(np.round(x), low, high).astype(int).tolist()
+
+
+def check_lengths(name: str, dist, least: int = 0) -> None:
+    """``dist`` = (median, sigma, low, high) of ``lognormal_lengths``, lengths >= ``least``, or an
+    ``InvalidInputError`` naming ``name``."""
+    try:
+        median, sigma, low, high = dist
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{name} must be (median, sigma, low, high), got {dist!r}") from None
+    if not (is_real(median) and median > 0 and is_real(sigma) and sigma >= 0):
+        raise InvalidInputError(f"{name}: the median must be > 0 and sigma >= 0, got {dist!r}")
+    if not (is_integer(low, least) and is_integer(high, low)):
+        raise InvalidInputError(f"{name}: low and high must be integers with {least} <= low <= high, got {dist!r}")
 
 
 def random_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
@@ -50,6 +64,10 @@ def poisson_workload(num_requests: int, request_rate: float, vocab_size: int, se
         raise InvalidInputError(f"request_rate must be > 0 requests/s (inf: all at once), got {request_rate!r}")
     if not is_integer(vocab_size, 1):
         raise InvalidInputError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if not is_integer(seed, 0):
+        raise InvalidInputError(f"seed must be an integer >= 0, got {seed!r}")
+    check_lengths("prompt_len", prompt_len, least=1)  # a prompt has at least one token
+    check_lengths("output_len", output_len)
     rng = np.random.default_rng(seed)
     gaps = np.zeros(num_requests) if np.isinf(request_rate) else rng.exponential(1 / request_rate, num_requests)
     arrivals = np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
@@ -79,17 +97,38 @@ def is_trace_id(value) -> bool:
 
 def save_trace(requests, path, with_token_ids: bool = False) -> None:
     """Write ``requests`` as JSONL (``prompt_len`` only, unless ``with_token_ids``). Every request is checked
-    before the file is written: a request_id must be a str or an int, the sampling parameters valid ones."""
-    lines = []
+    before the file is written, so that ``load_trace`` reads back exactly what was given: a request_id must be a
+    str or an int and unique, the prompt non-empty (token ids integers >= 0), ``max_new_tokens`` an integer >= 0,
+    ``arrival_s`` a finite number >= 0, ``stop_at_eos`` True or False, ``stop_token_id`` None or an integer >= 0,
+    the sampling parameters valid ones. Nothing is rounded or converted silently."""
+    lines, seen = [], set()
     for r in requests:
         request_id = r.request_id.item() if isinstance(r.request_id, np.integer) else r.request_id
         if not is_trace_id(request_id):
             raise InvalidInputError(f"save_trace: request_id must be a str or an int, got {r.request_id!r}")
+        if request_id in seen:
+            raise InvalidInputError(f"save_trace: request_id {request_id!r} is used twice")
+        seen.add(request_id)
+        where = f"save_trace: request {request_id!r}"
+        try:
+            prompt = list(r.prompt_token_ids)
+        except TypeError:
+            raise InvalidInputError(f"{where}: prompt_token_ids must be a list of token ids") from None
+        if not prompt or not all(is_integer(t, 0) for t in prompt):
+            raise InvalidInputError(f"{where}: the prompt must be a non-empty list of token ids (integers >= 0)")
+        if not is_integer(r.max_new_tokens, 0):
+            raise InvalidInputError(f"{where}: max_new_tokens must be an integer >= 0, got {r.max_new_tokens!r}")
+        if not is_real(r.arrival_s) or r.arrival_s < 0:
+            raise InvalidInputError(f"{where}: arrival_s must be a finite number >= 0, got {r.arrival_s!r}")
+        if not isinstance(r.stop_at_eos, (bool, np.bool_)):
+            raise InvalidInputError(f"{where}: stop_at_eos must be True or False, got {r.stop_at_eos!r}")
+        if r.stop_token_id is not None and not is_integer(r.stop_token_id, 0):
+            raise InvalidInputError(f"{where}: stop_token_id must be None or a token id, got {r.stop_token_id!r}")
         d = {"request_id": request_id}
         if with_token_ids:
-            d["prompt_token_ids"] = [int(t) for t in r.prompt_token_ids]
+            d["prompt_token_ids"] = [int(t) for t in prompt]
         else:
-            d["prompt_len"] = len(r.prompt_token_ids)
+            d["prompt_len"] = len(prompt)
         d["max_new_tokens"] = int(r.max_new_tokens)
         d["arrival_s"] = float(r.arrival_s)
         try:  # SamplingParams checks the values and stores Python numbers, which json can write
@@ -116,6 +155,10 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
     the right kind, a request_id used twice) is an ``InvalidInputError`` naming ``path:line``. Values the format
     allows but a model may refuse (sampling parameters, token ids, lengths past the context) are checked by the
     engine, so such a request fails alone."""
+    if not is_integer(vocab_size, 1):
+        raise InvalidInputError(f"load_trace: vocab_size must be a positive integer, got {vocab_size!r}")
+    if not is_integer(seed, 0):
+        raise InvalidInputError(f"load_trace: seed must be an integer >= 0, got {seed!r}")
     requests, seen = [], set()
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -145,7 +188,8 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
                 raise InvalidInputError(f"{path}:{n}: 'prompt_token_ids' must be a list of token ids")
             ids = list(d["prompt_token_ids"])  # the engine checks each id, so one bad line fails alone
         elif "prompt_len" in d:
-            ids = random_prompt(vocab_size, _count(d, "prompt_len", path, n, 1), seed * 100_003 + len(requests))
+            length = _count(d, "prompt_len", path, n, 1, maximum=MAX_PROMPT_LEN)
+            ids = random_prompt(vocab_size, length, seed * 100_003 + len(requests))
         else:
             raise InvalidInputError(f"{path}:{n}: needs 'prompt', 'prompt_token_ids' or 'prompt_len'")
         arrival = d.get("arrival_s", 0.0)
@@ -171,11 +215,13 @@ TRACE_KEYS = {"request_id", "prompt", "prompt_token_ids", "prompt_len", "max_new
               "stop_at_eos", "stop_token_id", *SAMPLING_KEYS}
 
 
-def _count(d: dict, key: str, path, n: int, minimum: int, default: int | None = None) -> int:
-    """``d[key]`` as an integer >= ``minimum`` (``default`` if absent), or an error naming the line."""
+def _count(d: dict, key: str, path, n: int, minimum: int, default: int | None = None,
+           maximum: int | None = None) -> int:
+    """``d[key]`` as an integer in [``minimum``, ``maximum``] (``default`` if absent), or an error naming the line."""
     value = d.get(key, default)
-    if not is_integer(value, minimum):
-        raise InvalidInputError(f"{path}:{n}: '{key}' must be an integer >= {minimum}, got {value!r}")
+    if not is_integer(value, minimum, maximum):
+        limit = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum:,}]"
+        raise InvalidInputError(f"{path}:{n}: '{key}' must be an integer {limit}, got {value!r}")
     return value
 
 

@@ -685,8 +685,9 @@ def test_trace_keeps_seed_zero_and_stop_settings_and_names_bad_lines(tmp_path):
     back = wl.load_trace(path, TINY.vocab_size)
     assert back[0].sampling_params == {"temperature": 1.0, "seed": 0}
     assert (back[1].stop_at_eos, back[1].stop_token_id) == (True, 7) and back[2].stop_at_eos is False
-    for line, message in [('{"prompt_len": -3}', ":1: 'prompt_len' must be an integer >= 1, got -3"),
-                          ('{"prompt_len": 2.9}', "'prompt_len' must be an integer >= 1, got 2.9"),
+    for line, message in [('{"prompt_len": -3}', ":1: 'prompt_len' must be an integer in \\[1, 1,000,000\\], got -3"),
+                          ('{"prompt_len": 2.9}', "'prompt_len' must be an integer in \\[1, 1,000,000\\], got 2.9"),
+                          ('{"prompt_len": 10000000000000}', "'prompt_len' must be an integer in \\[1, 1,000,000\\]"),
                           ('{"prompt_len": 2, "max_new_tokens": "many"}', "'max_new_tokens' must be an integer"),
                           ('{"prompt_len": 2, "arrival_s": NaN}', "'arrival_s' must be a finite number >= 0"),
                           ('{"prompt_len": 2, "arrival_s": null}', "'arrival_s' must be a finite number >= 0"),
@@ -697,3 +698,147 @@ def test_trace_keeps_seed_zero_and_stop_settings_and_names_bad_lines(tmp_path):
         path.write_text(line + "\n")
         with pytest.raises(InvalidInputError, match=message):
             wl.load_trace(path, TINY.vocab_size)
+
+
+def test_a_step_cannot_start_inside_another():
+    """An ``on_token`` callback or a ``logits_processor`` that steps the engine itself would run a step in the
+    middle of one (tokens handed out of order; under ``python -O`` an empty chunk and wrong tokens for others). It
+    gets an error instead: its own request fails, the others get their chapter 2 tokens in order."""
+    from_callback = Request("callback", [5, 6, 7], max_new_tokens=4, stop_at_eos=False)
+    from_processor = Request("processor", [1, 2], max_new_tokens=4, stop_at_eos=False)
+    innocent = Request("innocent", [8, 9], max_new_tokens=4, stop_at_eos=False)
+    engine = LLMEngine(MODEL, max_num_seqs=3, max_len=16)
+    calls = []
+
+    def processor(ids, logits):
+        calls.append(len(ids))
+        if len(calls) == 2:
+            engine.step()
+        return logits
+    from_processor.logits_processor = processor
+    seen = []
+    engine.add_request(from_callback, on_token=lambda seq, token: seq.is_finished or engine.step())
+    engine.add_request(from_processor)
+    engine.add_request(innocent, on_token=lambda seq, token: seen.append(token))
+    engine.run_until_done()
+    out = {o.request_id: o for o in engine.outputs()}
+    for rid, where in (("callback", "on_token raised"), ("processor", "sampling raised")):
+        assert out[rid].finish_reason is FinishReason.ERROR
+        assert f"{where} InvalidInputError: step() was called from inside a step" in out[rid].error
+    assert seen == out["innocent"].output_token_ids == alone(MODEL, innocent)
+    assert engine.store.reserved_tokens() == 0
+    assert engine.step() == []  # the engine is usable afterwards
+
+
+def test_an_engine_refuses_a_store_in_use_and_a_step_that_can_never_schedule():
+    from gpt2_core.paged_kv_store import PagedKVStore
+
+    store = PagedKVStore(MODEL.config, num_blocks=4, block_size=4)
+    store.allocate("someone else", 8)
+    with pytest.raises(InvalidInputError, match="already holds room for 8 tokens of other sequences"):
+        LLMEngine(MODEL, store=store)
+    store = PagedKVStore(MODEL.config, num_blocks=4, block_size=4)
+    engine = LLMEngine(MODEL, store=store)
+    store.allocate("someone else", 12)  # taken behind the engine's back: 1 block of 4 left
+    engine.add_request(Request("x", [1, 2, 3, 4, 5], max_new_tokens=3))
+    with pytest.raises(CacheCapacityError, match="1 request\\(s\\) wait, none is running"):
+        engine.run_until_done()  # instead of stepping forever
+    store.free("someone else")
+    engine.run_until_done()
+    assert engine.get_sequence("x").output_token_ids == alone(MODEL, Request("x", [1, 2, 3, 4, 5], 3))
+
+
+def test_engine_arguments_are_checked_before_the_store_takes_memory_and_callables_on_arrival(monkeypatch):
+    import gpt2_core.engine as engine_module
+
+    built = []
+    monkeypatch.setattr(engine_module, "ContiguousKVStore", lambda *a, **k: built.append(a))
+    with pytest.raises(InvalidInputError, match="max_num_batched_tokens=4 must be >= max_num_seqs=8"):
+        LLMEngine(MODEL, max_num_seqs=8, max_num_batched_tokens=4)
+    assert built == []
+    monkeypatch.undo()
+    engine = LLMEngine(MODEL, max_num_seqs=2, max_len=16)
+    with pytest.raises(InvalidInputError, match="on_token must be a function"):
+        engine.add_request(Request("a", [1, 2], 3), on_token=5)
+    engine.add_request(Request("b", [1, 2], 3, logits_processor=5))
+    assert "logits_processor must be a function" in engine.get_sequence("b").error
+    assert engine.store.reserved_tokens() == 0
+
+
+def test_stores_refuse_a_negative_position_before_writing():
+    from gpt2_core.paged_kv_store import PagedKVStore
+
+    cfg = MODEL.config
+    k = np.ones((cfg.n_head, 1, cfg.head_dim), np.float32)
+    for store in (ContiguousKVStore(cfg, num_slots=1, max_len=8), PagedKVStore(cfg, num_blocks=2, block_size=4)):
+        store.allocate("a", 8)
+        arrays = [store.kv] if isinstance(store, PagedKVStore) else [store.k, store.v]
+        before = [a.copy() for a in arrays]
+        with pytest.raises(InvalidInputError, match="update at position -2; positions start at 0"):
+            store.update("a", 0, -2, k, k)
+        assert all(np.array_equal(x, y) for x, y in zip(before, arrays))  # nothing written
+
+
+def test_replay_static_fails_each_malformed_request_alone():
+    from gpt2_core.static_batching import replay_static
+
+    ok = Request("ok", [5, 6], 3, stop_at_eos=False)
+    bad = [Request("eos", [1], 3, stop_at_eos=1), Request("int prompt", 5, 3),
+           Request("processor", [1, 2], 3, logits_processor=lambda ids, logits: logits)]
+    outs, batches = replay_static(MODEL, [ok, *bad], clock="offline")
+    out = {o.request_id: o for o in outs}
+    assert out["ok"].output_token_ids == alone(MODEL, ok) and out["ok"].finish_reason is FinishReason.LENGTH
+    assert "stop_at_eos must be True or False" in out["eos"].error
+    assert "1-D sequence of ints" in out["int prompt"].error and out["int prompt"].prompt_token_ids == []
+    assert "runs no logits_processor" in out["processor"].error
+    assert all(out[r.request_id].finish_reason is FinishReason.ERROR for r in bad)
+    for a in (float("nan"), None):
+        with pytest.raises(InvalidInputError, match="request 'late': arrival_s must be a finite number >= 0"):
+            replay_static(MODEL, [ok, Request("late", [1], 2, arrival_s=a)], clock="offline")
+
+
+def test_save_trace_refuses_what_load_trace_would_refuse_instead_of_rounding_it(tmp_path):
+    path = tmp_path / "t.jsonl"
+    for request, message in [(Request(0, [3.7, 2], 2), "non-empty list of token ids"),
+                             (Request(0, [], 2), "non-empty list of token ids"),
+                             (Request(0, [1], 2.7), "max_new_tokens must be an integer >= 0, got 2.7"),
+                             (Request(0, [1], -5), "max_new_tokens must be an integer >= 0, got -5"),
+                             (Request(0, [1], 2, arrival_s=float("nan")), "arrival_s must be a finite number"),
+                             (Request(0, [1], 2, stop_at_eos="no"), "stop_at_eos must be True or False"),
+                             (Request(0, [1], 2, stop_token_id=1.9), "stop_token_id must be None or a token id")]:
+        with pytest.raises(InvalidInputError, match=message):
+            wl.save_trace([request], path, with_token_ids=True)
+        assert not path.exists()
+    with pytest.raises(InvalidInputError, match="request_id 1 is used twice"):
+        wl.save_trace([Request(1, [1], 2), Request(1, [2], 2)], path)
+    for kwargs, message in [(dict(vocab_size=0), "vocab_size must be a positive integer"),
+                            (dict(vocab_size=10, seed=-1), "seed must be an integer >= 0")]:
+        with pytest.raises(InvalidInputError, match=message):
+            wl.load_trace(path, **kwargs)
+    for kwargs, message in [(dict(seed=1.5), "seed must be an integer >= 0"),
+                            (dict(prompt_len=(0, 0.5, 1, 8)), "prompt_len: the median must be > 0"),
+                            (dict(prompt_len=(4, 0.5, 0, 8)), "prompt_len: low and high must be integers with 1 <="),
+                            (dict(output_len=(4, -1, 1, 8)), "output_len: the median must be > 0 and sigma >= 0"),
+                            (dict(output_len=(4, 1)), "output_len must be \\(median, sigma, low, high\\)")]:
+        with pytest.raises(InvalidInputError, match=message):
+            wl.poisson_workload(3, 1.0, 10, **kwargs)
+
+
+def test_step_clock_replay_jumps_over_idle_steps_and_refuses_a_time_past_any_clock():
+    requests = [Request("a", [1, 2], 2, arrival_s=0), Request("b", [3, 4], 2, arrival_s=3e6)]
+    engine, loops = LLMEngine(MODEL, max_len=16), []
+    has_unfinished = engine.has_unfinished
+    engine.has_unfinished = lambda: loops.append(1) or has_unfinished()  # called a few times per replay loop
+    outs = replay(engine, requests, clock="steps")
+    assert len(loops) < 100  # the 3 million idle steps are skipped, not counted one by one
+    assert [o.output_token_ids for o in outs] == [alone(MODEL, r) for r in requests]
+    with pytest.raises(InvalidInputError, match="arrival_s x time_scale"):
+        replay(LLMEngine(MODEL, max_len=16), [Request("c", [1], 2, arrival_s=1e300)], time_scale=1e10)
+
+
+def test_generate_refuses_a_stop_at_eos_that_is_not_a_bool():
+    from gpt2_core import generation
+
+    for generate in (generation.generate, kv_cache.generate):
+        with pytest.raises(InvalidInputError, match="stop_at_eos must be True or False, got 'no'"):
+            generate(MODEL, [1, 2], 3, stop_at_eos="no")
