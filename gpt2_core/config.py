@@ -73,7 +73,7 @@ class GPT2Config:
             eos = 50256  # GPT-2's <|endoftext|>
         if isinstance(eos, list):  # HF allows several end-of-sequence ids; generation stops at the first
             eos = eos[0] if eos else None
-        return cls(
+        config = cls(
             vocab_size=vocab_size,
             n_positions=d.get("n_positions", d.get("n_ctx", 1024)),
             n_embd=d["n_embd"],
@@ -82,6 +82,12 @@ class GPT2Config:
             layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
             eos_token_id=eos,
         )
+        # the MLP's hidden width: null means 4 * n_embd, the only width this package builds (checked once n_embd is)
+        n_inner = d.get("n_inner")
+        if n_inner is not None and not (is_integer(n_inner) and n_inner == 4 * config.n_embd):
+            raise CheckpointError(f"config.json: n_inner={n_inner!r} is not supported (GPT-2's MLP is "
+                                  f"4 * n_embd = {4 * config.n_embd} wide)")
+        return config
 
     @classmethod
     def from_json(cls, path: str | Path) -> "GPT2Config":
@@ -92,8 +98,8 @@ class GPT2Config:
             raise CheckpointError(f"{path}: config.json not found") from None
         except OSError as e:  # a directory, no permission
             raise CheckpointError(f"{path}: cannot read config.json ({type(e).__name__}: {e})") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit number; '[' nested thousands deep
+            raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
         if not isinstance(d, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
         return cls.from_dict(d)

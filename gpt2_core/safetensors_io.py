@@ -9,14 +9,17 @@ read from their bytes here and widened to float32 exactly (a bfloat16 is the top
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 import struct
 from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, is_integer
 
 MAX_HEADER_BYTES = 100_000_000  # the format's own limit on the JSON header
+MAX_DIMS = 64  # NumPy's limit on an array's dimensions
 # Bytes per element of the dtypes this package reads (GPT-2 checkpoints are F32, F16 or BF16; integer tensors,
 # such as an old checkpoint's attention-mask buffers, are read and then reported by the loader by name).
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -43,35 +46,49 @@ def _read_header(path: Path) -> tuple[dict[str, dict], int]:
         raise CheckpointError(f"{path}: file not found") from None
     except OSError as e:  # a directory, no permission
         raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit number; '[' nested thousands deep
+        raise CheckpointError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - n
     for name, info in header.items():
+        short = _short(name)  # a hostile file's name or entry may be megabytes long: messages show the start
         try:
             begin, end = info["data_offsets"]
-            shape = [int(s) for s in info["shape"]]
-            dtype = info["dtype"]
+            shape, dtype = info["shape"], info["dtype"]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}") from None
-        if not all(isinstance(o, int) and not isinstance(o, bool) for o in (begin, end)) or min(shape, default=0) < 0:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r}: {info!r}")
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {short}: {_short(info)}") from None
+        if not all(is_integer(o, 0) for o in (begin, end)):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {short} (data_offsets must be two whole "
+                                  f"numbers >= 0): {_short(info)}")
+        # each dimension a whole number (not 1e300, Infinity or true); the size is then exact, in Python ints
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(is_integer(n, 0) for n in shape)):
+            raise CheckpointError(f"{path}: corrupt header entry for tensor {short} (shape must be a list of at most "
+                                  f"{MAX_DIMS} whole numbers >= 0): {_short(info)}")
         if not isinstance(dtype, str) or dtype not in ITEMSIZE:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype!r}, which this package does not read "
-                                  f"(it reads {', '.join(ITEMSIZE)})")
-        if not 0 <= begin <= end <= data_bytes:
+            raise CheckpointError(f"{path}: tensor {short} has dtype {_short(dtype)}, which this package does not "
+                                  f"read (it reads {', '.join(ITEMSIZE)})")
+        if not begin <= end <= data_bytes:
             raise CheckpointError(
-                f"{path}: tensor {name!r} needs bytes [{begin}, {end}) but the file holds {data_bytes} "
-                f"(truncated?)")
-        needed = ITEMSIZE[dtype] * int(np.prod(shape, dtype=np.int64))
+                f"{path}: tensor {short} needs bytes [{_short(begin)}, {_short(end)}) but the file holds "
+                f"{data_bytes} (truncated?)")
+        needed = ITEMSIZE[dtype] * math.prod(shape)
         if end - begin != needed:
-            raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes, but shape {shape} in {dtype} "
-                                  f"needs {needed}")
+            raise CheckpointError(f"{path}: tensor {short} has {end - begin} bytes, but shape {_short(shape)} in "
+                                  f"{dtype} needs {_short(needed)}")
         info["shape"] = shape
         info["dtype"] = dtype
     return header, 8 + n
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 200  # tensor names are shorter; maxlist (6) and maxlong (40) stay as they are
+
+
+def _short(value) -> str:
+    """``repr(value)`` cut to a few hundred characters at most (reprlib shortens long strings, lists and ints)."""
+    return _repr.repr(value)
 
 
 def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
@@ -97,6 +114,6 @@ def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 
 def _read_bf16(path: Path, data_start: int, name: str, info: dict) -> np.ndarray:
     begin, _ = info["data_offsets"]  # the size was checked against the shape in _read_header
-    count = int(np.prod(info["shape"], dtype=np.int64))
+    count = math.prod(info["shape"])
     raw = np.fromfile(path, dtype="<u2", count=count, offset=data_start + begin)
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -55,9 +56,11 @@ class Tokenizer:
             tok.add_special_tokens([EOT])
         return cls(tok, f"{vocab} + {merges}")
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
-        return self.hf.get_vocab_size(with_added_tokens=True)
+        """The largest token id + 1: every id is below it. Not the number of tokens (``get_vocab_size``), which is
+        smaller when the ids have gaps, as a vocab.json may have."""
+        return max(self.hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):

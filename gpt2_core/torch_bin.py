@@ -21,7 +21,10 @@ The bytes of storage ``'0'`` live outside the pickle, in one of two containers:
 Why this is safe: the unpickler looks up every global the pickle names through ``find_class``. Ours knows only
 the few names a state dict uses and maps each to a tiny function of our own that just records its arguments,
 so nothing from the file (and nothing from torch) ever runs; any other global stops the load. Bytes become
-arrays only after checking that offset, size and stride stay inside their storage.
+arrays only after checking that offset, size and stride stay inside their storage. Nor can a tiny hostile file
+make the loader work or allocate for hours: dict keys must be strings (no hashing a nested object of 2**40
+parts), sets are refused, and so are compressed zip records (torch.save never compresses; a 4 KB record can
+inflate to gigabytes).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import io
 import math
 import os
 import pickle
+import reprlib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,20 +85,72 @@ def _rebuild_parameter(data, *_requires_grad_hooks):
     return data  # an nn.Parameter is its tensor plus flags we don't need
 
 
+def _ordered_dict():  # torch pickles `OrderedDict()` then adds the items with SETITEMS, where their keys are checked
+    return collections.OrderedDict()  # (OrderedDict(items) would hash whatever keys the file gives it)
+
+
 _ALLOWED = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "OrderedDict"): _ordered_dict,
 }
 
 
 # pickle._Unpickler is the pure-Python unpickler: slower than the C one, but its memo is a dict, so a corrupt
 # memo index cannot make it allocate gigabytes. State-dict pickles are small (~30 KB for GPT-2), so speed is moot.
+# Being Python, its opcodes can be replaced one by one (`dispatch`: opcode byte -> method), and a few are. A pickle
+# may reuse an object many times (a memo reference), so 300 bytes can nest a tuple (t, t) thirty levels deep:
+# 2**30 leaves to hash as a dict key, or to print. So dict keys must be strings, as a state dict's are; sets (which
+# hash their items) are refused; BUILD may only touch an OrderedDict; error messages print through reprlib.
 class _RestrictedUnpickler(pickle._Unpickler):
+    dispatch = pickle._Unpickler.dispatch.copy()  # our own table: the overrides below leave pickle's untouched
+
     def __init__(self, file, path: Path, storage_types: dict):
         super().__init__(file)
         self.path, self.storage_types = path, storage_types  # storage key -> _StorageType, shared across pickles
+
+    def _set_items(self, target, items: list):  # every opcode that puts items in a dict ends here
+        if not isinstance(target, dict):
+            raise CheckpointError(f"{self.path}: pickle sets items on a {type(target).__name__}, not a dict "
+                                  "(corrupt file?)")
+        if len(items) % 2:
+            raise pickle.UnpicklingError("a key without a value")
+        for key in items[::2]:
+            if not isinstance(key, str):
+                raise CheckpointError(f"{self.path}: pickled dict has a key that is not a string "
+                                      f"({type(key).__name__}); a state dict's keys are names (corrupt file?)")
+        target.update(zip(items[::2], items[1::2]))
+
+    def load_setitem(self):  # SETITEM: stack [.., dict, key, value]
+        value, key = self.stack.pop(), self.stack.pop()
+        self._set_items(self.stack[-1], [key, value])
+    dispatch[pickle.SETITEM[0]] = load_setitem
+
+    def load_setitems(self):  # SETITEMS: stack [.., dict, MARK, key, value, key, value, ...]
+        items = self.pop_mark()
+        self._set_items(self.stack[-1], items)
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+
+    def load_dict(self):  # DICT (protocols 0-1): a new dict from [MARK, key, value, ...]
+        items, d = self.pop_mark(), {}
+        self._set_items(d, items)
+        self.append(d)
+    dispatch[pickle.DICT[0]] = load_dict
+
+    def load_set(self):  # EMPTY_SET, ADDITEMS, FROZENSET: a state dict holds no sets
+        raise CheckpointError(f"{self.path}: pickle builds a set, which a state dict never holds (corrupt file?)")
+    dispatch.update(dict.fromkeys([pickle.EMPTY_SET[0], pickle.ADDITEMS[0], pickle.FROZENSET[0]], load_set))
+
+    def load_build(self):  # BUILD: set the state of the object below it on the stack
+        state, inst = self.stack.pop(), self.stack[-1]
+        # torch uses it for one thing: the `_metadata` (module versions) of a state dict, a plain dict we do not
+        # need, so it is dropped. Anything else (an allowed function's __defaults__, say) is refused: pickle's
+        # own BUILD would set it for the rest of the process.
+        if not (type(inst) is collections.OrderedDict and isinstance(state, dict)):
+            raise CheckpointError(f"{self.path}: pickle sets the state of a {type(inst).__name__}; a state dict "
+                                  "only ever sets an OrderedDict's (corrupt or malicious file?)")
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module, name):
         if (module, name) in _ALLOWED:
@@ -113,7 +169,7 @@ class _RestrictedUnpickler(pickle._Unpickler):
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"
                 and isinstance(pid[1], _StorageType) and isinstance(pid[2], str) and _is_count(pid[4])):
-            raise CheckpointError(f"{self.path}: unexpected persistent id {str(pid)[:80]} (corrupt file?)")
+            raise CheckpointError(f"{self.path}: unexpected persistent id {reprlib.repr(pid)[:200]} (corrupt file?)")
         _, stype, key, _location, numel, *view = pid
         if self.storage_types.setdefault(key, stype) != stype:
             raise CheckpointError(f"{self.path}: storage {key!r} is used with two element types (corrupt file?)")
@@ -178,6 +234,28 @@ def _to_array(path: Path, name: str, ref: _TensorRef, flat: np.ndarray) -> np.nd
     return arr
 
 
+def _read_record(zf: zipfile.ZipFile, path: Path, name: str) -> bytearray:
+    """Record `name` of the archive, read into a bytearray: NumPy arrays viewing it are then writable, with no copy.
+
+    torch.save stores every record uncompressed, so a compressed one is refused before it is read: a few KB of
+    BZIP2 can inflate to gigabytes. A stored record is never larger than the file that holds it.
+    """
+    info = zf.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CheckpointError(f"{path}: record {name!r} is compressed (zip method {info.compress_type}); torch.save "
+                              "stores records uncompressed, and a compressed one could inflate to any size")
+    if info.file_size > path.stat().st_size:
+        raise CheckpointError(f"{path}: record {name!r} claims {info.file_size} bytes, more than the whole file")
+    raw, done = bytearray(info.file_size), 0
+    with zf.open(info) as f, memoryview(raw) as view:
+        while done < len(raw):  # in pieces: zipfile reads into a new bytes object first, so at most 16 MB at once
+            n = f.readinto(view[done: done + (16 << 20)])
+            if not n:
+                raise CheckpointError(f"{path}: record {name!r} is truncated ({done} of {len(raw)} bytes)")
+            done += n
+    return raw
+
+
 def _read_zip(path: Path):
     try:
         with zipfile.ZipFile(path) as zf:
@@ -186,11 +264,14 @@ def _read_zip(path: Path):
             if not pkl:
                 raise CheckpointError(f"{path}: zip archive has no '<archive>/data.pkl': not a torch.save file")
             prefix = pkl[0][: -len("/data.pkl")]
-            if f"{prefix}/byteorder" in names and zf.read(f"{prefix}/byteorder") != b"little":
-                raise CheckpointError(f"{path}: big-endian checkpoint (byteorder "
-                                      f"{zf.read(f'{prefix}/byteorder')[:10]!r}); only little-endian is supported")
+            if f"{prefix}/byteorder" in names:
+                byteorder = bytes(_read_record(zf, path, f"{prefix}/byteorder"))
+                if byteorder != b"little":
+                    raise CheckpointError(f"{path}: big-endian checkpoint (byteorder {byteorder[:10]!r}); only "
+                                          "little-endian is supported")
             storage_types: dict = {}
-            refs = _tensor_refs(_unpickle(io.BytesIO(zf.read(pkl[0])), path, storage_types, pkl[0]), path)
+            pickled = _read_record(zf, path, pkl[0])
+            refs = _tensor_refs(_unpickle(io.BytesIO(pickled), path, storage_types, pkl[0]), path)
             cache, out = {}, {}
             for name, ref in refs.items():
                 key = ref.storage.key if isinstance(ref.storage, _Storage) else None
@@ -198,7 +279,7 @@ def _read_zip(path: Path):
                     record = f"{prefix}/data/{key}"
                     if record not in names:
                         raise CheckpointError(f"{path}: tensor {name!r}: storage record {record!r} is missing")
-                    raw = zf.read(record)
+                    raw = _read_record(zf, path, record)
                     dtype = np.dtype(STORAGE_DTYPES[ref.storage.type.name])
                     cache[key] = np.frombuffer(raw, dtype, len(raw) // dtype.itemsize)
                 out[name] = _to_array(path, name, ref, cache.get(key))
@@ -209,13 +290,17 @@ def _read_zip(path: Path):
         raise CheckpointError(f"{path}: truncated or corrupt zip archive ({type(e).__name__}: {e})") from e
 
 
-def _read_legacy(path: Path, data: bytes):
-    stream, storage_types = io.BytesIO(data), {}  # BytesIO shares `data`'s buffer, no copy
+def _read_legacy(path: Path, stream, size: int):
+    """The legacy format, read from the open file `stream`: the pickles, then each storage into its own bytearray
+    (so the arrays viewing it are writable, and no byte of the file is held twice)."""
+    storage_types = {}
+    start = stream.read(16)
+    stream.seek(0)
     not_torch = f"{path}: not a PyTorch checkpoint (neither a zip archive nor torch's legacy format)"
     try:  # a legacy file opens with a pickled magic number (any pickle protocol)
         magic = _unpickle(stream, path, storage_types, "header")
     except CheckpointError as e:
-        raise CheckpointError(f"{not_torch}: it starts with {data[:16]!r}, which does not load as a pickle "
+        raise CheckpointError(f"{not_torch}: it starts with {start!r}, which does not load as a pickle "
                               f"({e.__cause__ or e})") from e
     if magic != LEGACY_MAGIC:
         raise CheckpointError(not_torch)
@@ -228,16 +313,19 @@ def _read_legacy(path: Path, data: bytes):
     keys = _unpickle(stream, path, storage_types, "storage key list")
     if not (isinstance(keys, list) and all(isinstance(k, str) and k in storage_types for k in keys)):
         raise CheckpointError(f"{path}: corrupt storage key list")
-    flats, pos = {}, stream.tell()
+    flats = {}
     for key in keys:  # each storage: 8-byte little-endian element count, then the raw bytes
         dtype = np.dtype(STORAGE_DTYPES[storage_types[key].name])
-        count = int.from_bytes(data[pos: pos + 8], "little")
-        if pos + 8 + count * dtype.itemsize > len(data):
+        count_bytes = stream.read(8)
+        count = int.from_bytes(count_bytes, "little")
+        raw = None
+        if len(count_bytes) == 8 and stream.tell() + count * dtype.itemsize <= size:  # checked before allocating
+            raw = bytearray(count * dtype.itemsize)
+        if raw is None or stream.readinto(raw) != len(raw):
             users = [n for n, r in refs.items() if getattr(r.storage, "key", None) == key]
             raise CheckpointError(f"{path}: storage {key!r} (tensor {', '.join(map(repr, users[:3])) or 'unused'}) "
                                   f"is truncated: the file ends before its {count} elements")
-        flats[key] = np.frombuffer(data, dtype, count, pos + 8)
-        pos += 8 + count * dtype.itemsize
+        flats[key] = np.frombuffer(raw, dtype)
     out = {}
     for name, ref in refs.items():
         key = getattr(ref.storage, "key", None)
@@ -251,17 +339,21 @@ def load_torch_bin(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Load a ``torch.save``d state dict (zip or legacy format) as ``{name: numpy array}``, without torch.
 
     float32/float16/int/bool tensors keep their dtype; bfloat16 becomes float32 (exactly). Arrays are
-    C-contiguous; those read straight from the file are read-only views. Raises ``CheckpointError``.
+    C-contiguous and writable, like those of a .safetensors file (tensors that shared a storage in the file, such
+    as tied weights or contiguous views, still share memory). Raises ``CheckpointError``.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if not magic:
-        raise CheckpointError(f"{path}: file is empty (0 bytes): an interrupted download or copy?")
     try:
-        return _read_zip(path) if magic == b"PK\x03\x04" else _read_legacy(path, path.read_bytes())
+        with open(path, "rb") as f:
+            magic = f.read(4)
+            if not magic:
+                raise CheckpointError(f"{path}: file is empty (0 bytes): an interrupted download or copy?")
+            if magic == b"PK\x03\x04":
+                return _read_zip(path)
+            f.seek(0)
+            return _read_legacy(path, f, os.fstat(f.fileno()).st_size)
     except CheckpointError:
         raise
     except Exception as e:  # belt and braces: e.g. PermissionError, MemoryError

@@ -228,21 +228,44 @@ def read_state_dict(directory: Path) -> tuple[dict[str, np.ndarray], Path]:
     if single.is_file():
         return load_safetensors(single), single
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
-        tensors: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors.update(load_safetensors(directory / shard))
-        return tensors, index
+        return _read_shards(index), index
     if legacy.is_file():
         from .torch_bin import load_torch_bin
 
         return load_torch_bin(legacy), legacy
     raise CheckpointError(f"{directory}: no weights found (expected model.safetensors or pytorch_model.bin)")
+
+
+def _read_shards(index: Path) -> dict[str, np.ndarray]:
+    """The tensors of a sharded checkpoint: each shard holds exactly the tensors the index's weight_map gives it."""
+    from .safetensors_io import load_safetensors
+
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    # bad JSON or UTF-8 (ValueErrors, as is a 5000-digit number), '[' nested thousands deep, no weight_map
+    except (ValueError, RecursionError, KeyError, TypeError, OSError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    tensors: dict[str, np.ndarray] = {}
+    found_in: dict[str, str] = {}  # tensor name -> the shard it was read from
+    for shard in sorted(set(weight_map.values())):
+        # a file of this directory: no "/etc/passwd", no "../other_model/...". Checked on the name, not with
+        # resolve(): in the HF cache every file of a snapshot is a symlink into blobs/, outside the folder.
+        parts = Path(shard).parts
+        if not parts or Path(shard).is_absolute() or ".." in parts:
+            raise CheckpointError(f"{index}: shard {shard!r} is not a file inside {index.parent}")
+        for name, a in load_safetensors(index.parent / shard).items():
+            if name in found_in:
+                raise CheckpointError(f"{index}: tensor {name!r} is in two shards, {found_in[name]} and {shard}")
+            tensors[name], found_in[name] = a, shard
+    wrong = sorted(n for n in weight_map.keys() | found_in.keys() if weight_map.get(n) != found_in.get(n))
+    if wrong:
+        name, more = wrong[0], f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        listed = f"puts tensor {name!r} in {weight_map[name]}" if name in weight_map else f"does not list {name!r}"
+        held = f"{found_in[name]} holds it" if name in found_in else "that shard does not hold it"
+        raise CheckpointError(f"{index}: weight_map {listed}, but {held}{more}")
+    return tensors
 
 
 def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
@@ -273,9 +296,9 @@ def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
         state_dict, weights_file = read_state_dict(directory)
     params = params_from_state_dict(state_dict, config, source=str(weights_file))
     tokenizer = tokenizer_for_directory(directory) or _gpt2_tokenizer_if_fits(config)
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{tokenizer.source}: tokenizer has {tokenizer.vocab_size} tokens but the model's "
-                              f"vocab_size is {config.vocab_size}")
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:  # its ids must all be rows of wte
+        raise CheckpointError(f"{tokenizer.source}: tokenizer has token ids up to {tokenizer.vocab_size - 1} but the "
+                              f"model's vocab_size is {config.vocab_size}")
     return GPT2Model(config, params, tokenizer, source=str(weights_file))
 
 

@@ -166,6 +166,27 @@ def test_decode_refuses_ids_outside_the_vocabulary_instead_of_truncating_them():
     assert tok.decode(np.array([5, 6])) == tok.decode([5, 6])
 
 
+def test_a_vocabulary_with_gaps_bounds_ids_by_its_largest_id_not_its_token_count(tmp_path):
+    """vocab.json may skip ids: {a: 0, b: 1, ab: 500} encodes 'ab' as 500, so decode must take 500 back, and a model
+    with vocab_size=101 (which has no row 500) must refuse this tokenizer when it is loaded."""
+    import json
+
+    from helpers import write_checkpoint
+
+    from gpt2_core.tokenizer import Tokenizer
+
+    (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 500}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    tok = Tokenizer.from_vocab_merges(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    assert tok.vocab_size == 501 and tok.encode("ab") == [500]
+    assert tok.decode([500, 0]) == "aba" and "".join(tok.decode_stream([500])) == "ab"
+    with pytest.raises(InvalidInputError, match=r"501 is not a token id in \[0, 501\)"):
+        tok.decode([501])
+    write_checkpoint(tmp_path, tiny_model())  # vocab_size=101
+    with pytest.raises(CheckpointError, match="tokenizer has token ids up to 500 but the model's vocab_size is 101"):
+        gpt2_core.load_model(tmp_path)
+
+
 def test_a_paged_budget_checks_its_block_size_and_a_config_path_that_is_a_directory_is_a_checkpoint_error(tmp_path):
     with pytest.raises(InvalidInputError, match="block_size"):
         PagedKVStore.from_budget(TINY, 10**6, block_size=0)

@@ -171,6 +171,38 @@ def test_writer_round_trip(tmp_path, fake_torch):
         np.testing.assert_array_equal(out["a"], [[2, 3], [4, 5]])
 
 
+@pytest.mark.parametrize("path", [ZIP, LEGACY], ids=["zip", "legacy"])
+def test_arrays_are_writable(path):
+    """Like a .safetensors file's, so a learner can edit a weight in place (they view bytearrays, never a copy)."""
+    sd = load_torch_bin(path)
+    for name, a in sd.items():
+        assert a.flags.writeable, name
+    sd["half"][...] = 7
+    assert (sd["half"] == 7).all()
+    np.testing.assert_array_equal(load_torch_bin(path)["half"], EXPECTED["half"])  # the file is untouched
+
+
+def test_a_model_loaded_from_pytorch_model_bin_can_be_edited_in_place(tmp_path, fake_torch):
+    import json
+
+    from helpers import config_json, tiny_model
+
+    import gpt2_core
+
+    model = tiny_model()
+    sd = {"transformer." + k: FakeTensor(FakeStorage("FloatStorage", str(i), a), 0, a.shape,
+                                         tuple(n // 4 for n in np.ascontiguousarray(a).strides))
+          for i, (k, a) in enumerate(model.state_dict().items())}
+    (tmp_path / "config.json").write_text(json.dumps(config_json(model.config)))
+    for write in (write_zip, write_legacy):
+        write(tmp_path / "pytorch_model.bin", sd)
+        loaded = gpt2_core.load_model(tmp_path)
+        np.testing.assert_array_equal(gpt2_core.forward(loaded, [1, 2]), gpt2_core.forward(model, [1, 2]))
+        loaded.params["wte"][0] = 0
+        loaded.params["h"][0]["ln_1"]["weight"] += 1
+        assert not loaded.params["wte"][0].any()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Errors: always CheckpointError, always naming the file
 
@@ -321,6 +353,64 @@ def test_malicious_reduce_with_modern_protocol(tmp_path):
     assert not marker.exists()
 
 
+# Small hostile pickles that once cost hours or changed the loader itself.
+
+
+def tuple_tree(depth: int) -> tuple[bytes, bytes]:
+    """Opcodes that store t_0 = () and t_i = (t_{i-1}, t_{i-1}) in the memo, leaving the stack empty, and the opcode
+    that pushes t_depth. Each level reuses the one below, so ~10 bytes a level build a tree of 2**depth leaves."""
+    out = b"\x80\x02)q\x000"  # PROTO 2, EMPTY_TUPLE, BINPUT 0, POP
+    for i in range(1, depth + 1):
+        out += b"h%ch%c\x86q%c0" % (i - 1, i - 1, i)  # BINGET, BINGET, TUPLE2, BINPUT, POP
+    return out, b"h%c" % depth
+
+
+def zip_with_pickle(path, pkl: bytes):
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", pkl)
+    return path
+
+
+def test_a_tuple_tree_is_neither_printed_nor_hashed(tmp_path):
+    """2**40 leaves: printing them in the persistent-id message, or hashing them as a dict key, never ends."""
+    memo, t = tuple_tree(40)
+    cases = {"persid": (t + b"\x85Q.", "unexpected persistent id"),  # BINPERSID on (t,)
+             "setitem": (b"}" + t + b"K\x01s.", "key that is not a string"),  # {t: 1}
+             "setitems": (b"}(" + t + b"K\x01u.", "key that is not a string"),
+             "dict": (b"(" + t + b"K\x01d.", "key that is not a string"),
+             "OrderedDict": (b"ccollections\nOrderedDict\n(" + t + b"K\x01\x86\x85R.", "corrupt"),  # ((t, 1),)
+             "set": (b"\x8f(" + t + b"\x90.", "builds a set"),  # EMPTY_SET, ADDITEMS
+             "frozenset": (b"(" + t + b"\x91.", "builds a set")}
+    for name, (ops, words) in cases.items():
+        msg = raises_for(zip_with_pickle(tmp_path / f"{name}.bin", memo + ops), words)
+        assert len(msg) < 400, msg
+
+
+def test_build_cannot_change_the_loaders_own_functions(tmp_path):
+    from gpt2_core import torch_bin
+
+    evil = {  # BUILD on an allowed function: state (None, {"__defaults__": (7, 8)}) is setattr, {"pwnd": 1} __dict__
+        "defaults": b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n"
+                    b"N}X\x0c\x00\x00\x00__defaults__K\x07K\x08\x86s\x86b0}.",
+        "dict": b"\x80\x02ctorch._utils\n_rebuild_parameter\n}X\x04\x00\x00\x00pwndK\x01sb0}.",
+    }
+    for name, pkl in evil.items():
+        raises_for(zip_with_pickle(tmp_path / f"{name}.bin", pkl), "sets the state of a function")
+    assert torch_bin._rebuild_tensor.__defaults__ is None and not vars(torch_bin._rebuild_parameter)
+    assert_same(load_torch_bin(ZIP), EXPECTED)  # and the next file loads as before
+
+
+def test_compressed_records_are_refused_before_they_are_read(tmp_path):
+    """torch.save stores records; a compressed one (a 4 KB file can hold a 200 MB BZIP2 record) is refused."""
+    for method in (zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
+        out = tmp_path / f"packed{method}.bin"
+        with zipfile.ZipFile(ZIP) as src, zipfile.ZipFile(out, "w") as dst:
+            for info in src.infolist():
+                packed = info.filename.endswith("/data/0")  # one storage record only: the pickle is read first
+                dst.writestr(info.filename, src.read(info), method if packed else zipfile.ZIP_STORED)
+        raises_for(out, "data/0' is compressed", f"method {method}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Fuzzing: damaged files either still load (a flipped bit in raw float data cannot be noticed in the legacy
 # format) or raise CheckpointError; never another exception, never a hang (hypothesis' deadline).
@@ -386,3 +476,15 @@ def test_matches_torch_load(tmp_path):
         for k, t in theirs.items():
             want = (t.float() if t.dtype == torch.bfloat16 else t).contiguous().numpy()
             assert ours[k].dtype == want.dtype and ours[k].tobytes() == want.tobytes(), k
+
+
+def test_a_module_state_dict_with_its_metadata_loads(tmp_path):
+    """module.state_dict() is an OrderedDict carrying `_metadata`, which torch pickles with BUILD."""
+    torch = pytest.importorskip("torch")
+    sd = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4)).state_dict()
+    assert hasattr(sd, "_metadata")
+    for legacy in (False, True):
+        path = tmp_path / f"module_{legacy}.bin"
+        torch.save(sd, path, _use_new_zipfile_serialization=not legacy)
+        ours = load_torch_bin(path)
+        assert list(ours) == list(sd) and all(np.array_equal(ours[k], sd[k].numpy()) for k in sd)

@@ -264,3 +264,81 @@ def test_a_config_claiming_more_blocks_than_the_file_holds_is_refused_before_any
     config["n_layer"] = 10**9  # a table of 10**9 blocks' tensor names would not fit in memory
     (directory / "config.json").write_text(json.dumps(config))
     expect_error(rf"n_layer=1000000000, but the file holds {model.config.n_layer} blocks", directory)
+
+
+def test_json_nested_thousands_deep_or_with_a_5000_digit_number_is_a_checkpoint_error(tmp_path, model):
+    """json.loads raises RecursionError for '[' * 100000, and ValueError (not JSONDecodeError) for a huge int."""
+    import struct
+
+    for bad in ("[" * 100_000, '{"n_embd": 1' + "0" * 5000 + "}"):
+        d = write_checkpoint(tmp_path / "config", model)
+        (d / "config.json").write_text(bad)
+        expect_error(r"config.json: not valid JSON", d)
+        d = write_checkpoint(tmp_path / "header", model)
+        (d / "model.safetensors").write_bytes(struct.pack("<Q", len(bad)) + bad.encode())
+        expect_error(r"model.safetensors: corrupt safetensors header", d)
+        d = write_checkpoint(tmp_path / "index", model)
+        (d / "model.safetensors").unlink()
+        (d / "model.safetensors.index.json").write_text(bad)
+        expect_error(r"index.json: not a valid safetensors index", d)
+
+
+def test_safetensors_shapes_must_be_lists_of_whole_numbers_and_messages_stay_short(tmp_path, model):
+    path = write_checkpoint(tmp_path, model) / "model.safetensors"
+    original = path.read_bytes()
+    for shape in ([float("inf")], [1e300], [2.0], [True], ["2"], "2", [-1], [1] * 65, [-1] + [1] * 100_000):
+        path.write_bytes(original)
+        rewrite_header(path, lambda h: h["ln_f.bias"].update(shape=shape))
+        with pytest.raises(CheckpointError, match=r"corrupt header entry for tensor 'ln_f.bias' \(shape must be") as e:
+            gpt2_core.load_model(tmp_path)
+        assert len(str(e.value)) < 500  # not a megabyte of "1, 1, 1, ..."
+    path.write_bytes(original)  # sizes are exact Python ints: no int64 wrap-around to a negative or zero size
+    rewrite_header(path, lambda h: h["ln_f.bias"].update(shape=[2**32, 2**32]))
+    expect_error(r"'ln_f.bias' has 96 bytes, but shape \[4294967296, 4294967296\] in F32 needs 73786976294838206464",
+                 tmp_path)
+    path.write_bytes(original)
+    rewrite_header(path, lambda h: h.update({"x" * 10**6: h.pop("ln_f.bias")}))  # a megabyte-long tensor name
+    with pytest.raises(CheckpointError) as e:
+        gpt2_core.load_model(tmp_path)
+    assert len(str(e.value)) < 500
+
+
+def test_shards_stay_in_the_directory_and_hold_exactly_what_the_index_says(tmp_path, model):
+    sd = model.state_dict()
+    keys = list(sd)
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config_json(TINY)))
+    write_safetensors(d / "a.safetensors", {k: sd[k] for k in keys[:5]})
+    write_safetensors(d / "b.safetensors", {k: sd[k] for k in keys[5:]})
+    weight_map = {k: "a.safetensors" if i < 5 else "b.safetensors" for i, k in enumerate(keys)}
+
+    def index(**changes):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**weight_map, **changes}}))
+        return d
+
+    same_logits(model, gpt2_core.load_model(index()))
+    write_checkpoint(tmp_path / "other", model)
+    for outside in ("../other/model.safetensors", str(tmp_path / "other" / "model.safetensors"), ""):
+        expect_error(rf"shard '{outside}' is not a file inside", index(**{"wte.weight": outside}))
+    # a tensor in two shards: the second copy would silently replace the first
+    write_safetensors(d / "c.safetensors", {"ln_f.bias": sd["ln_f.bias"] + 5})
+    expect_error(r"tensor 'ln_f.bias' is in two shards, b.safetensors and c.safetensors",
+                 index(extra="c.safetensors"))
+    expect_error(r"weight_map puts tensor 'ln_f.bias' in a.safetensors, but b.safetensors holds it",
+                 index(**{"ln_f.bias": "a.safetensors"}))
+    expect_error(r"weight_map puts tensor 'x' in a.safetensors, but that shard does not hold it",
+                 index(x="a.safetensors"))
+    del weight_map["wpe.weight"]
+    expect_error(r"weight_map does not list 'wpe.weight', but a.safetensors holds it", index())
+
+
+def test_n_inner_other_than_4_n_embd_is_refused(tmp_path, model):
+    write_checkpoint(tmp_path, model)
+    good = config_json(TINY)
+    for n_inner in (None, 4 * TINY.n_embd):
+        (tmp_path / "config.json").write_text(json.dumps({**good, "n_inner": n_inner}))
+        same_logits(model, gpt2_core.load_model(tmp_path))
+    for n_inner in (50, 4 * TINY.n_embd + 1, "96", True):
+        (tmp_path / "config.json").write_text(json.dumps({**good, "n_inner": n_inner}))
+        expect_error(rf"n_inner={n_inner!r} is not supported \(GPT-2's MLP is 4 \* n_embd = 96 wide\)", tmp_path)
