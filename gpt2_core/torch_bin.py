@@ -214,6 +214,8 @@ def _to_array(path: Path, name: str, ref: _TensorRef, flat: np.ndarray) -> np.nd
     flat = flat[st.offset: st.offset + st.numel]
     n = math.prod(size)
     if n == 0:
+        if math.prod(n_i for n_i in size if n_i) * flat.itemsize >= 2**63:  # NumPy refuses such a shape, even empty
+            raise CheckpointError(f"{path}: tensor {name!r} has size {size}: no array has dimensions that large")
         arr = np.zeros(size, flat.dtype)
     else:
         last = offset + sum((n_i - 1) * s_i for n_i, s_i in zip(size, stride))

@@ -400,6 +400,14 @@ def test_build_cannot_change_the_loaders_own_functions(tmp_path):
     assert_same(load_torch_bin(ZIP), EXPECTED)  # and the next file loads as before
 
 
+def test_an_empty_tensor_with_huge_dimensions_is_named(tmp_path, fake_torch):
+    storage = FakeStorage("FloatStorage", "0", np.zeros(1, np.float32))
+    write_zip(tmp_path / "huge.bin", {"w": FakeTensor(storage, 0, (0, 2**47, 2**47), (1, 1, 1))})
+    raises_for(tmp_path / "huge.bin", "tensor 'w' has size (0, 140737488355328, 140737488355328)")
+    write_zip(tmp_path / "empty.bin", {"w": FakeTensor(storage, 0, (0, 3), (3, 1))})
+    assert load_torch_bin(tmp_path / "empty.bin")["w"].shape == (0, 3)  # an ordinary empty tensor still loads
+
+
 def test_compressed_records_are_refused_before_they_are_read(tmp_path):
     """torch.save stores records; a compressed one (a 4 KB file can hold a 200 MB BZIP2 record) is refused."""
     for method in (zipfile.ZIP_DEFLATED, zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
