@@ -259,8 +259,10 @@ class LLMEngine:
 
     def _call_back(self, outputs, now: float) -> None:
         """Hand each new token to its request's ``on_token``. A callback is the caller's code: if it raises, its
-        request ends with ``FinishReason.ERROR`` (its KV room freed) and the other requests go on."""
-        for request_id, token in outputs:
+        request ends with ``FinishReason.ERROR`` (its KV room freed) and the other requests go on. A Ctrl-C in one
+        callback still lets the others have this step's token (each callback sees every token, in order), then
+        stops the caller."""
+        for i, (request_id, token) in enumerate(outputs):
             seq = self._by_request[request_id]
             callback = self._callbacks.get(seq.seq_id)
             if callback is None:
@@ -271,6 +273,9 @@ class LLMEngine:
                 seq.error = f"request {request_id!r}: on_token raised {type(e).__name__}: {e}"
                 self._finish(seq, FinishReason.ERROR, now)
                 self._callbacks.pop(seq.seq_id, None)  # no more tokens for a callback that failed
+            except BaseException:  # KeyboardInterrupt, SystemExit: the rest first, then the interrupt goes on
+                self._call_back(outputs[i + 1:], now)
+                raise
 
     def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
         if seq.request.logits_processor is not None:

@@ -842,3 +842,21 @@ def test_generate_refuses_a_stop_at_eos_that_is_not_a_bool():
     for generate in (generation.generate, kv_cache.generate):
         with pytest.raises(InvalidInputError, match="stop_at_eos must be True or False, got 'no'"):
             generate(MODEL, [1, 2], 3, stop_at_eos="no")
+
+
+def test_a_ctrl_c_in_one_callback_still_hands_the_others_their_token():
+    engine = LLMEngine(MODEL, max_num_seqs=3, max_len=16)
+    requests = [Request(i, [1 + i, 2], max_new_tokens=3, stop_at_eos=False) for i in range(3)]
+    received = {r.request_id: [] for r in requests}
+
+    def on_token(seq, token):
+        received[seq.request_id].append(token)
+        if seq.request_id == 0 and len(received[0]) == 2:
+            raise KeyboardInterrupt
+    for r in requests:
+        engine.add_request(r, on_token=on_token)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_until_done()
+    assert [len(received[i]) for i in range(3)] == [2, 2, 2]  # the two after request 0 got the step's token too
+    engine.run_until_done()  # the caller may go on
+    assert all(received[r.request_id] == alone(MODEL, r) for r in requests)
