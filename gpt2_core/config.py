@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import CheckpointError, is_integer, is_real
+from .errors import BAD_JSON, CheckpointError, is_integer, is_real
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class GPT2Config:
             raise CheckpointError(f"{path}: config.json not found") from None
         except OSError as e:  # a directory, no permission
             raise CheckpointError(f"{path}: cannot read config.json ({type(e).__name__}: {e})") from None
-        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit number; '[' nested thousands deep
+        except BAD_JSON as e:
             raise CheckpointError(f"{path}: not valid JSON ({type(e).__name__}: {e})") from None
         if not isinstance(d, dict):
             raise CheckpointError(f"{path}: expected a JSON object")

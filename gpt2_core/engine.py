@@ -28,7 +28,7 @@ from .kv_store import ContiguousKVStore, KVStore
 from .model_runner import Chunk, ragged_forward
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, check_limits
-from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus
+from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus, check_arrivals
 from .weights import GPT2Model
 
 
@@ -336,13 +336,11 @@ def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
         raise InvalidInputError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
     requests = list(requests)
     engine._check_new(requests)
+    check_arrivals(requests)
     for r in requests:
-        a = r.arrival_s
-        if not is_real(a) or a < 0:
-            raise InvalidInputError(f"request {r.request_id!r}: arrival_s must be a finite number >= 0, got {a!r}")
-        if not is_real(a * time_scale):
-            raise InvalidInputError(f"request {r.request_id!r}: arrival_s x time_scale = {a * time_scale!r}, past any "
-                                    f"clock")
+        if not is_real(r.arrival_s * time_scale):
+            raise InvalidInputError(f"request {r.request_id!r}: arrival_s x time_scale = {r.arrival_s * time_scale!r}, "
+                                    f"past any clock")
     queue = sorted(requests, key=lambda r: r.arrival_s)
     ids, i, t0, tick = [], 0, engine.clock(), 0
     while i < len(queue) or engine.has_unfinished():

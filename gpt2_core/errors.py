@@ -13,6 +13,12 @@ from pathlib import Path
 import numpy as np
 
 
+# What json.loads raises on a damaged or hostile text, besides JSONDecodeError (itself a ValueError): a
+# UnicodeDecodeError (a ValueError), a ValueError for a number of thousands of digits, and a RecursionError for
+# '[' nested thousands deep. Every reader of a JSON file catches these and names the file.
+BAD_JSON = (ValueError, RecursionError)
+
+
 class GPT2Error(Exception):
     """Base class of every error raised on purpose by ``gpt2_core``."""
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError, is_integer
+from .errors import BAD_JSON, CheckpointError, is_integer
 
 MAX_HEADER_BYTES = 100_000_000  # the format's own limit on the JSON header
 MAX_DIMS = 64  # NumPy's limit on an array's dimensions
@@ -46,7 +46,7 @@ def _read_header(path: Path) -> tuple[dict[str, dict], int]:
         raise CheckpointError(f"{path}: file not found") from None
     except OSError as e:  # a directory, no permission
         raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a 5000-digit number; '[' nested thousands deep
+    except BAD_JSON as e:
         raise CheckpointError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")

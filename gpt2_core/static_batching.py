@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import CacheCapacityError, InvalidInputError, is_integer, is_real
+from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .generation import check_generation
 from .kv_store import claimed_zeros
 from .model import layer_norm, softmax
 from .model_runner import batched_linear, batched_lm_head, gelu_
 from .sampling import Sampler, sampling_params_of
-from .sequence import FinishReason, SequenceMetrics
+from .sequence import FinishReason, SequenceMetrics, check_arrivals
 from .weights import GPT2Model
 
 
@@ -248,11 +248,7 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
     if not is_integer(batch_size, 1):
         raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
     requests = list(requests)
-    for r in requests:  # as the engine's replay: a time that is not one refuses the whole call
-        a = getattr(r, "arrival_s", None)
-        if not is_real(a) or a < 0:
-            raise InvalidInputError(f"request {getattr(r, 'request_id', '?')!r}: arrival_s must be a finite number "
-                                    f">= 0, got {a!r}")
+    check_arrivals(requests)  # as the engine's replay: a time that is not one refuses the whole call
     requests.sort(key=lambda r: r.arrival_s)
     errors = {id(r): e for r in requests if (e := _check_request(model, r)) is not None}  # each fails alone
     valid = [r for r in requests if id(r) not in errors]
@@ -287,13 +283,11 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
 def _check_request(model: GPT2Model, r) -> str | None:
     """Why static batching cannot serve request ``r`` (the checks of the continuous engine), or None."""
     try:
-        check_generation(model, r.prompt_token_ids, r.max_new_tokens)
+        check_generation(model, r.prompt_token_ids, r.max_new_tokens, r.stop_at_eos)
         sampling_params_of(r.sampling_params)
         s, V = r.stop_token_id, model.config.vocab_size
         if s is not None and not is_integer(s, 0, V - 1):
             return f"stop_token_id must be a token id in [0, {V}), got {s!r}"
-        if not isinstance(r.stop_at_eos, (bool, np.bool_)):
-            return f"stop_at_eos must be True or False, got {r.stop_at_eos!r}"
         if r.logits_processor is not None:  # a padded batch samples all rows at once: no per-request hook
             return "static batching runs no logits_processor (the continuous engine does)"
     except InvalidInputError as e:

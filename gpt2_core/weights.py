@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import PRESETS, GPT2Config, preset
-from .errors import CheckpointError, InvalidInputError, is_integer
+from .errors import BAD_JSON, CheckpointError, InvalidInputError, is_integer
 from .tokenizer import Tokenizer, tokenizer_for_directory
 
 DATA_DIR = Path(os.environ.get("GPT2_CORE_DATA", Path(__file__).resolve().parent.parent / "data"))
@@ -242,8 +242,7 @@ def _read_shards(index: Path) -> dict[str, np.ndarray]:
 
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    # bad JSON or UTF-8 (ValueErrors, as is a 5000-digit number), '[' nested thousands deep, no weight_map
-    except (ValueError, RecursionError, KeyError, TypeError, OSError) as e:
+    except (*BAD_JSON, KeyError, TypeError, OSError) as e:  # KeyError, TypeError: no weight_map
         raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
