@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InvalidInputError, is_integer, is_real
+from .errors import BAD_JSON, InvalidInputError, is_integer, is_real
 from .sampling import SamplingParams, sampling_params_of
 from .sequence import FinishReason, Request
 
@@ -169,8 +169,8 @@ def load_trace(path, vocab_size: int, tokenizer=None, seed: int = 0, stop_at_eos
             continue
         try:
             d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidInputError(f"{path}:{n}: not valid JSON ({e})") from None
+        except BAD_JSON as e:  # incl. '[' nested thousands deep, a number of thousands of digits
+            raise InvalidInputError(f"{path}:{n}: not valid JSON ({type(e).__name__}: {e})") from None
         if not isinstance(d, dict):
             raise InvalidInputError(f"{path}:{n}: expected a JSON object")
         unknown = sorted(set(d) - TRACE_KEYS)

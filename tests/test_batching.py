@@ -694,6 +694,8 @@ def test_trace_keeps_seed_zero_and_stop_settings_and_names_bad_lines(tmp_path):
                           ('{"prompt_token_ids": 5}', "'prompt_token_ids' must be a list"),
                           ('{"prompt_len": 2, "temprature": 0.9}', "unknown field\\(s\\) 'temprature'"),
                           ('{"prompt_len": 2, "stop_at_eos": "no"}', "'stop_at_eos' must be true or false"),
+                          ("[" * 100_000, ":1: not valid JSON \\(RecursionError"),
+                          ('{"prompt_len": 2, "max_new_tokens": ' + "9" * 5000 + "}", ":1: not valid JSON \\(ValueError"),
                           ('{"request_id": 1, "prompt_len": 2}\n{"prompt_len": 2}', ":2: request_id 1 is used")]:
         path.write_text(line + "\n")
         with pytest.raises(InvalidInputError, match=message):
