@@ -11,8 +11,10 @@ shaped random weights (float32; the time of a matmul does not depend on the numb
 
 Plus the machine's limits: ``gemm_bound`` = tokens/s if a decode step at batch B took only the time of its
 matmuls, each timed alone on its shape with the kernel the step uses (``matmul_seconds``), beside the measured
-batched decode step (``decode_sweep``); and ``small_batch_gemv``, the decode step with one GEMV per row against
-one GEMM per matrix at 2-8 sequences (``small_batch_gemv_speedup``).
+batched decode step (``decode_sweep``); ``tiled``, the decode step with the weights in tiles (what the package
+runs) against without, at 2-64 sequences (``tiled_speedup``); ``attention_threads``, the step with its attention
+on two threads against one (``attention_threads_speedup``); and ``small_batch_gemv``, the step without tiles
+with one GEMV per row against one GEMM per matrix at 2-8 sequences (``small_batch_gemv_speedup``).
 """
 
 from __future__ import annotations
@@ -153,13 +155,15 @@ def sequential_intervals(outputs) -> list:
 def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False,
                    column_major: bool = False) -> float:
     """Seconds of one float32 [m, k] x [k, n] product, run the way the ragged step runs it:
-    ``model_runner.batched_matmul``, in ``HEAD_BLOCK`` column blocks for the LM head (``head=True``), with the
-    [k, n] weight column-major if the model keeps it so (``column_major``)."""
+    ``model_runner.batched_matmul``, from the weight's tiles for 2 to ``TILED_MAX_ROWS`` rows, else in
+    ``HEAD_BLOCK`` column blocks for the LM head (``head=True``), with the [k, n] weight column-major if the model
+    keeps it so (``column_major``)."""
     rng = np.random.default_rng(0)
     A = rng.standard_normal((m, k), dtype=np.float32)
     B = np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C")
     block = model_runner.HEAD_BLOCK if head else None
-    return median_time(lambda: model_runner.batched_matmul(A, B, block=block), repeats=repeats)
+    tiles = model_runner.tile_weight(B) if 1 < m <= model_runner.TILED_MAX_ROWS else None
+    return median_time(lambda: model_runner.batched_matmul(A, B, block=block, tiles=tiles), repeats=repeats)
 
 
 def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> dict:
@@ -180,16 +184,16 @@ def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> d
 
 
 def decode_step_runner(model: GPT2Model, batch: int, context: int,
-                       gemv_max_rows: int = model_runner.GEMV_MAX_ROWS):
+                       gemv_max_rows: int = model_runner.GEMV_MAX_ROWS, tiled: bool = True):
     """A function running one ragged step of ``batch`` decode chunks, each with ``context`` tokens cached (the cache
-    holds arbitrary numbers: timing does not depend on them)."""
+    holds arbitrary numbers: timing does not depend on them); ``tiled``, ``gemv_max_rows``: ``ragged_forward``'s."""
     store = ContiguousKVStore(model.config, num_slots=batch, max_len=context + 1)
     for i in range(batch):
         store.allocate(i, context + 1)
     store.k[:] = 0.01
     store.v[:] = 0.01
     chunks = [Chunk(i, np.array([i % model.config.vocab_size]), context) for i in range(batch)]
-    return lambda: ragged_forward(model, store, chunks, gemv_max_rows=gemv_max_rows)
+    return lambda: ragged_forward(model, store, chunks, gemv_max_rows=gemv_max_rows, tiled=tiled)
 
 
 def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: int = 5,
@@ -205,14 +209,14 @@ def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: 
 
 def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), context: int = 128,
                              rounds: int = 7) -> list[dict]:
-    """The ragged decode step with one GEMV per row (the head in cached column blocks) against one GEMM per
-    matrix, interleaved round by round, at each batch size (also past ``GEMV_MAX_ROWS``, where the package uses
-    GEMM). -> one record per batch size: the median step of each path, the median of the per-round ratios
-    GEMM time / GEMV time, and which path the package takes at that size."""
+    """The ragged decode step without tiles (``tiled=False``) with one GEMV per row (the head in cached column
+    blocks) against one GEMM per matrix, interleaved round by round, at each batch size (also past
+    ``GEMV_MAX_ROWS``, where the untiled step uses GEMM). -> one record per batch size: the median step of each
+    path, the median of the per-round ratios GEMM time / GEMV time, and which path the untiled step takes."""
     records = []
     for b in batches:
-        steps = {"gemv": decode_step_runner(model, b, context, gemv_max_rows=b),
-                 "gemm": decode_step_runner(model, b, context, gemv_max_rows=1)}
+        steps = {"gemv": decode_step_runner(model, b, context, gemv_max_rows=b, tiled=False),
+                 "gemm": decode_step_runner(model, b, context, gemv_max_rows=1, tiled=False)}
         times: dict[str, list[float]] = {"gemv": [], "gemm": []}
         for r in range(rounds):
             for path in (("gemv", "gemm") if r % 2 else ("gemm", "gemv")):
@@ -222,6 +226,54 @@ def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), conte
                         "gemv_seconds_per_step": float(np.median(times["gemv"])),
                         "speedup": float(np.median(ratios)),
                         "package_path": "gemv" if 1 < b <= model_runner.GEMV_MAX_ROWS else "gemm"})
+    return records
+
+
+def tiled_speedup(model: GPT2Model, batches=(2, 4, 8, 16, 32, 64), context: int = 128,
+                  rounds: int = 7) -> list[dict]:
+    """The ragged decode step with the weights in tiles (``tiled_matmul``, the package's step) against without
+    (GEMVs up to ``GEMV_MAX_ROWS`` rows, then GEMMs), interleaved round by round, at each batch size.
+    -> one record per batch size: the median step of each, and the median of the per-round ratios
+    untiled time / tiled time."""
+    records = []
+    for b in batches:
+        steps = {"tiled": decode_step_runner(model, b, context, tiled=True),
+                 "untiled": decode_step_runner(model, b, context, tiled=False)}
+        times: dict[str, list[float]] = {"tiled": [], "untiled": []}
+        for r in range(rounds):
+            for path in (("tiled", "untiled") if r % 2 else ("untiled", "tiled")):
+                times[path].append(median_time(steps[path], repeats=3, warmup=1))
+        records.append({"batch": b, "context": context,
+                        "untiled_seconds_per_step": float(np.median(times["untiled"])),
+                        "tiled_seconds_per_step": float(np.median(times["tiled"])),
+                        "speedup": float(np.median([u / t for u, t in zip(times["untiled"], times["tiled"])]))})
+    return records
+
+
+def attention_threads_speedup(model: GPT2Model, batches=(4, 8, 16, 32), contexts=(128, 400),
+                              rounds: int = 5) -> list[dict]:
+    """The ragged decode step with its attention on one thread against on two (``model_runner.in_two``, which the
+    package uses from ``ATTENTION_TWO_THREADS_FROM`` sequences), interleaved round by round, at each batch size
+    and context. -> one record per (batch, context): the median step of each, the median of the per-round ratios
+    one-thread time / two-thread time, and which the package uses at that size."""
+    records = []
+    for b in batches:
+        for context in contexts:
+            step = decode_step_runner(model, b, context)
+            times: dict[int, list[float]] = {1: [], 2: []}
+            threshold = model_runner.ATTENTION_TWO_THREADS_FROM
+            try:
+                for r in range(rounds):
+                    for threads in ((1, 2) if r % 2 else (2, 1)):
+                        model_runner.ATTENTION_TWO_THREADS_FROM = 2 if threads == 2 else b + 1
+                        times[threads].append(median_time(step, repeats=3, warmup=1))
+            finally:
+                model_runner.ATTENTION_TWO_THREADS_FROM = threshold
+            records.append({"batch": b, "context": context,
+                            "one_thread_seconds_per_step": float(np.median(times[1])),
+                            "two_threads_seconds_per_step": float(np.median(times[2])),
+                            "speedup": float(np.median([o / t for o, t in zip(times[1], times[2])])),
+                            "package_threads": 2 if b >= threshold else 1})
     return records
 
 
@@ -284,7 +336,8 @@ def quick_workload(vocab_size: int = 50257, seed: int = 0):
 
 def warm_up(model: GPT2Model) -> None:
     """Serve two short requests with each NumPy strategy, untimed, before any clock starts. What is built on
-    first use (the LM head's contiguous copy, 154 MB for GPT-2 small; BLAS's threads and buffers) is then ready
+    first use (the LM head's contiguous copy, 154 MB for GPT-2 small; every weight in tiles, 495 MB; BLAS's threads
+    and buffers; the tiles' worker thread) is then ready
     before the first strategy is measured, which would otherwise pay for the others. (HF transformers warms up
     in ``replay_hf``, just before its own clock: torch is not loaded while NumPy is timed.)"""
     n = min(16, model.config.n_positions // 2)  # prompt and output lengths
@@ -362,6 +415,11 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
                              "fraction_of_gemm_bound": float(np.median(fractions)),
                              "fraction_of_gemm_bound_per_pair": fractions})
         results.append({"method": "gemm_bound", "batch": b, **bound})
+    tiled = tiled_speedup(model, batches=(2, 8) if quick else (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+                          context=context, rounds=3 if quick else 7)
+    attention_threads = attention_threads_speedup(model, batches=(8,) if quick else (4, 8, 16, 32),
+                                                  contexts=(context,) if quick else (128, 400),
+                                                  rounds=2 if quick else 5)
     small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6, 8),
                                            context=context, rounds=3 if quick else 7)
     padding = gemm_row_padding(model, rows=(7, 8) if quick else range(5, 34), rounds=3 if quick else 9)
@@ -375,12 +433,15 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         "continuous_over_hf": None if hf_summary is None else cont["tokens_per_s"] / hf_summary["tokens_per_s"],
         "static_over_sequential": static["tokens_per_s"] / seq["tokens_per_s"],
         f"decode_batch_{big}_fraction_of_gemm_bound": at[big]["fraction_of_gemm_bound"],
+        "tiled_step_speedup_median": float(np.median([r["speedup"] for r in tiled])),
     }
     return {"benchmark": "batching", "model": "random GPT-2 124M shape, float32", "quick": quick,
             "workload": {"name": name, "num_requests": len(requests),
                          "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                          "max_new_tokens": sum(r.max_new_tokens for r in requests),
                          "last_arrival_s": max(r.arrival_s for r in requests)},
-            "results": results, "ratios": ratios, "decode_sweep": decode_sweep, "small_batch_gemv": small_batch,
+            "results": results, "ratios": ratios, "decode_sweep": decode_sweep, "tiled": tiled,
+            "attention_threads": attention_threads,
+            "small_batch_gemv": small_batch,
             "gemm_row_padding": padding,
             "bandwidth_bound_tokens_per_s_batch_1": bw_bound, "gemv_bytes_per_s": bandwidth, "threads": threads}

@@ -43,6 +43,10 @@ class KVStore(ABC):
     """K/V storage for many sequences, addressed by ``seq_id``."""
 
     config: GPT2Config
+    # True if ``update`` may run for two different sequences at once, from two threads (then ``ragged_forward``
+    # shares a big batch's attention between two threads); a store that keeps state shared between sequences
+    # leaves it False.
+    concurrent_updates: bool = False
 
     @abstractmethod
     def can_allocate(self, num_tokens: int) -> bool:
@@ -96,6 +100,8 @@ class ContiguousKVStore(KVStore):
     Simple and fast (a sequence's K/V are one contiguous slice), but a sequence that ends after 20 tokens still
     reserved ``max_len``: the waste chapter 4 measures and removes.
     """
+
+    concurrent_updates = True  # each sequence writes only its own slot, and gets views of it back
 
     def __init__(self, config: GPT2Config, num_slots: int, max_len: int | None = None, dtype=np.float32):
         max_len = config.n_positions if max_len is None else max_len

@@ -8,12 +8,15 @@ per sequence, because each sequence attends to its own cached past, fetched from
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
 
 from .kv_cache import lm_head_fast
 from .kv_store import KVStore
+from .measure import available_memory_bytes
 from .model import GELU_C, attention, layer_norm, split_qkv
 from .weights import GPT2Model
 
@@ -60,8 +63,109 @@ def gemm_rows(n: int) -> int:
     return n + ROW_TILE - rest if rest >= ROW_TILE - 3 and n < PAD_MAX_ROWS else n
 
 
-def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | None = None):  # [N, in] -> [N, out]
+# Weights in tiles of columns, for decode-sized batches (2 to TILED_MAX_ROWS rows); measured on this project's
+# 2-core machine (``python -m gpt2_core bench batching`` records the step with and without, under ``tiled``).
+TILE = 32  # columns per tile: a [768, 32] float32 tile is 96 KB
+SMALL_GEMM_MNK = 100 ** 3  # OpenBLAS runs a product of m x n x k <= 100**3 with its small-matrix kernel
+TILED_MAX_ROWS = 64
+TWO_THREADS_FROM_ROWS = 9  # from this many rows the tiles are shared between two threads
+
+
+def tile_weight(weight) -> np.ndarray:  # [in, out] -> [ceil(out / TILE), in, TILE]
+    """``weight`` cut into tiles of ``TILE`` columns, each tile its own contiguous [in, TILE] matrix; the last
+    tile is padded with zero columns. A copy: 495 MB more for GPT-2 small's step weights and head."""
+    k, n = weight.shape
+    tiles = np.zeros((-(-n // TILE), k, TILE), dtype=np.float32)  # [B, in, TILE]
+    full = n // TILE
+    tiles[:full] = weight[:, :full * TILE].reshape(k, full, TILE).transpose(1, 0, 2)
+    if n % TILE:
+        tiles[full, :, :n % TILE] = weight[:, full * TILE:]
+    return tiles
+
+
+def tiles_for(model: GPT2Model, weight) -> np.ndarray | None:
+    """``tile_weight(weight)``, made on first use and kept with the model (``GPT2Model.tiles``); None if the memory
+    for it is not available (``measure.available_memory_bytes``): the step then runs without tiles, as before. The
+    answer is kept too; ``model.refresh()`` asks again."""
+    return model.tiles(weight, _tiles_if_memory)
+
+
+def _tiles_if_memory(weight) -> np.ndarray | None:
+    k, n = weight.shape
+    available = available_memory_bytes()
+    if available is not None and -(-n // TILE) * TILE * k * 4 > available:
+        return None
+    return tile_weight(weight)
+
+
+_POOL: list = []  # the one worker thread that takes half of the tiles, started on first use
+
+
+def _worker():
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="gpt2-tiles") if (os.cpu_count() or 1) > 1 else None)
+    return _POOL[0]
+
+
+def tiled_matmul(x, tiles, out_features: int) -> np.ndarray:  # x [N, in], tiles [B, in, TILE] -> [N, out]
+    """``x @ weight`` from ``tile_weight(weight)``: one small product per tile.
+
+    For a few rows, BLAS's general matrix-matrix product spends its time repacking the weight, not multiplying
+    (section 1 of notebook 03). This BLAS (OpenBLAS) has a second kernel for small products, m x n x k up to
+    ``SMALL_GEMM_MNK``, which works on the matrices as they lie, with no repacking: a [N, 768] x [768, 32] product
+    qualifies up to 40 rows (up to 10 rows when in = 3072; more rows go through in groups). ``np.matmul`` over the
+    stack of tiles makes all the calls in one NumPy call. The small kernel runs on one thread, so from
+    ``TWO_THREADS_FROM_ROWS`` rows a worker thread takes the first half of the tiles (NumPy lets go of Python's
+    lock inside the product). The result is the same product to float32 rounding.
+    """
+    n, k = x.shape
+    rows = max(1, SMALL_GEMM_MNK // (k * TILE))  # rows per product that stay in the small kernel
+
+    def products(t):  # [b, in, TILE] -> [b, N, TILE]
+        if n <= rows:
+            return np.matmul(x, t)
+        return np.concatenate([np.matmul(x[r:r + rows], t) for r in range(0, n, rows)], axis=1)
+
+    worker = _worker() if n >= TWO_THREADS_FROM_ROWS else None
+    if worker is None:
+        y = products(tiles)  # [B, N, TILE]
+    else:
+        half = len(tiles) // 2
+        first = worker.submit(products, tiles[:half])
+        second = products(tiles[half:])
+        y = np.concatenate([first.result(), second])  # [B, N, TILE]
+    return y.transpose(1, 0, 2).reshape(n, -1)[:, :out_features]  # [N, out]: the tiles side by side
+
+
+ATTENTION_TWO_THREADS_FROM = 8  # sequences: measured even at 2-8, 1.1-1.2x at 16-32 (notebook 03)
+
+
+def in_two(attend, work, store: KVStore) -> None:
+    """``attend(work)``, with the work split in two halves of about equal cost (tokens x tokens seen) between the
+    worker thread and this one, from ``ATTENTION_TWO_THREADS_FROM`` sequences on, if the store allows it
+    (``KVStore.concurrent_updates``). Each sequence's attention reads only its own cache and writes only its own
+    rows, so the halves never touch each other's data. If a half fails, the other is finished before the error
+    goes on (the store is never written behind the caller's back)."""
+    worker = _worker() if len(work) >= ATTENTION_TWO_THREADS_FROM and store.concurrent_updates else None
+    if worker is None:
+        attend(work)
+        return
+    cost = np.cumsum([(b - a) * (chunk.start + b - a) for chunk, (a, b) in work])
+    half = min(max(1, int(np.searchsorted(cost, cost[-1] / 2))), len(work) - 1)
+    first = worker.submit(attend, work[:half])
+    try:
+        attend(work[half:])
+    finally:
+        wait([first])
+    first.result()
+
+
+def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | None = None,
+                   tiles=None):  # [N, in] -> [N, out]
     """``x @ weight`` by the faster kernel for N rows.
+
+    With ``tiles`` (``tile_weight(weight)``), 2 to ``TILED_MAX_ROWS`` rows go through ``tiled_matmul``; the
+    kernels below are the ones used without tiles, and past ``TILED_MAX_ROWS``.
 
     BLAS's matrix-matrix product (GEMM) repacks the weight, panel by panel, into cache-sized tiles before
     multiplying. For one row NumPy calls a matrix-vector product (GEMV) instead, which just streams the weight.
@@ -79,6 +183,8 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     Every GEMM gets ``gemm_rows(N)`` rows: ``x`` is padded with zero rows when that is faster.
     """
     n = len(x)
+    if tiles is not None and 1 < n <= TILED_MAX_ROWS:
+        return tiled_matmul(x, tiles, weight.shape[1])
     if n > gemv_max_rows:
         rows = gemm_rows(n)
         if rows == n:
@@ -101,16 +207,28 @@ def _gemm(x, weight):  # [N, in] -> [N, out]: one matrix-matrix product, in the 
     return x @ weight
 
 
-def batched_linear(x, weight, bias, gemv_max_rows: int = GEMV_MAX_ROWS):  # x [N, in] -> [N, out]
+def batched_linear(x, weight, bias, gemv_max_rows: int = GEMV_MAX_ROWS, tiles=None):  # x [N, in] -> [N, out]
     """Chapter 1's ``linear`` for many rows (``batched_matmul``), with the bias added in place (no second
     [N, out] array)."""
-    y = batched_matmul(x, weight, gemv_max_rows)
+    y = batched_matmul(x, weight, gemv_max_rows, tiles=tiles)
     y += bias
     return y
 
 
-def batched_lm_head(model: GPT2Model, x, gemv_max_rows: int = GEMV_MAX_ROWS) -> np.ndarray:  # [B, E] -> [B, V]
-    """Chapter 2's ``lm_head_fast`` for a batch of last positions.
+def linear_for_step(model: GPT2Model, rows: int, gemv_max_rows: int = GEMV_MAX_ROWS, tiled: bool = True):
+    """The ``linear(x, weight, bias)`` of a step of ``rows`` rows: ``batched_linear``, with the weight's tiles
+    (``tiles_for``) for 2 to ``TILED_MAX_ROWS`` rows if ``tiled``."""
+    use_tiles = tiled and 1 < rows <= TILED_MAX_ROWS
+
+    def linear(x, weight, bias):  # x [rows, in] -> [rows, out]
+        return batched_linear(x, weight, bias, gemv_max_rows, tiles_for(model, weight) if use_tiles else None)
+    return linear
+
+
+def batched_lm_head(model: GPT2Model, x, gemv_max_rows: int = GEMV_MAX_ROWS,
+                    tiled: bool = True) -> np.ndarray:  # [B, E] -> [B, V]
+    """Chapter 2's ``lm_head_fast`` for a batch of last positions; in tiles (``tiled_matmul``) for 2 to
+    ``TILED_MAX_ROWS`` rows if ``tiled``, else as follows.
 
     The head [E, V] is 154 MB for GPT-2 small: far past any cache, so for a few rows the matrix-matrix product
     repacks all of it from memory. For 2 to ``gemv_max_rows`` rows, ``batched_matmul`` walks it in column blocks
@@ -120,7 +238,9 @@ def batched_lm_head(model: GPT2Model, x, gemv_max_rows: int = GEMV_MAX_ROWS) -> 
     if len(x) == 1:
         return lm_head_fast(model, x)  # [1, V]
     x = layer_norm(x, **model.params["ln_f"], eps=model.config.layer_norm_epsilon)  # [B, E]
-    return batched_matmul(x, model.lm_head_weight(), gemv_max_rows, block=HEAD_BLOCK)  # [B, V]
+    head = model.lm_head_weight()  # [E, V]
+    tiles = tiles_for(model, head) if tiled and len(x) <= TILED_MAX_ROWS else None
+    return batched_matmul(x, head, gemv_max_rows, block=HEAD_BLOCK, tiles=tiles)  # [B, V]
 
 
 def gelu_(h):  # h [N, F], overwritten with gelu(h)
@@ -142,11 +262,12 @@ def gelu_(h):  # h [N, F], overwritten with gelu(h)
 
 
 def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk],
-                   gemv_max_rows: int = GEMV_MAX_ROWS) -> np.ndarray:
+                   gemv_max_rows: int = GEMV_MAX_ROWS, tiled: bool = True) -> np.ndarray:
     """Run every chunk through the model in one pass; return the next-token logits of each chunk [B, V].
 
     The store must already have room for ``start + T`` tokens of every chunk (``KVStore.ensure``).
-    ``gemv_max_rows``: see ``batched_linear`` (1 = always GEMM, as the benchmark compares).
+    ``tiled``: steps of 2 to ``TILED_MAX_ROWS`` rows multiply by the weights in tiles (``tiled_matmul``).
+    ``gemv_max_rows``: see ``batched_matmul``, for steps without tiles (1 = always GEMM, as the benchmark compares).
     """
     g = gemv_max_rows
     cfg, params = model.config, model.params
@@ -156,20 +277,25 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk],
     token_ids = np.concatenate([c.token_ids for c in chunks])  # [N]
     positions = np.concatenate([np.arange(c.start, c.start + t) for c, t in zip(chunks, lengths)])  # [N]
     x = params["wte"][token_ids] + params["wpe"][positions]  # [N, E]
+    linear = linear_for_step(model, len(x), g, tiled)
+    work = list(zip(chunks, spans))
     eps, H, D = cfg.layer_norm_epsilon, cfg.n_head, cfg.head_dim
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
-        qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"], gemv_max_rows=g)  # [N, 3E]
+        qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [N, 3E]
         q, k, v = split_qkv(qkv, H)  # 3 x [H, N, D] views, no copy
         q_scaled = q * scale  # [H, N, D] for the decode path, scaled once for all rows
         out = np.empty((len(x), H, D), dtype=x.dtype)  # [N, H, D]
-        for chunk, (a, b) in zip(chunks, spans):
-            k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k[:, a:b], v[:, a:b])  # [H, start+T, D]
-            if b - a == 1:  # decode: one query sees every cached key, no mask needed
-                out[a] = decode_attention(q_scaled[:, a:b], k_all, v_all)[:, 0]  # [H, D]
-            else:  # prefill: chapter 1's causal attention
-                out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
-        x += batched_linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"], gemv_max_rows=g)  # [N, E] residual
-        h = gelu_(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"], gemv_max_rows=g))  # [N, 4E]
-        x += batched_linear(h, **p["mlp"]["c_proj"], gemv_max_rows=g)  # [N, E]: chapter 1's mlp, in place
-    return batched_lm_head(model, x[ends - 1], gemv_max_rows=g)  # [B, V]: only each chunk's last position
+
+        def attend(work):  # [(chunk, (a, b))]: each chunk's new K/V into the store, its attention into out
+            for chunk, (a, b) in work:
+                k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k[:, a:b], v[:, a:b])  # [H, start+T, D]
+                if b - a == 1:  # decode: one query sees every cached key, no mask needed
+                    out[a] = decode_attention(q_scaled[:, a:b], k_all, v_all)[:, 0]  # [H, D]
+                else:  # prefill: chapter 1's causal attention
+                    out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
+        in_two(attend, work, store)
+        x += linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E] residual
+        h = gelu_(linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [N, 4E]
+        x += linear(h, **p["mlp"]["c_proj"])  # [N, E]: chapter 1's mlp, in place
+    return batched_lm_head(model, x[ends - 1], gemv_max_rows=g, tiled=tiled)  # [B, V]: each chunk's last position

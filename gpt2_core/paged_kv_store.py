@@ -12,6 +12,8 @@ The chapter 3 engine drives it through the same methods as ``ContiguousKVStore``
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .block_manager import BlockManager, blocks_needed
@@ -30,9 +32,12 @@ def slot_indices(block_table, num_tokens: int, block_size: int) -> np.ndarray:
 class PagedKVStore(KVStore):
     """K/V of many sequences in ``num_blocks`` blocks of ``block_size`` tokens, shared by all sequences.
 
-    ``update`` returns the sequence's K/V gathered into scratch buffers owned by the store: the arrays are valid
-    until the next ``update`` call (the model step uses them at once). Copy them to keep them.
+    ``update`` returns the sequence's K/V gathered into a scratch buffer owned by the store, one per thread: the
+    arrays are valid until the next ``update`` call from the same thread (the model step uses them at once). Copy
+    them to keep them.
     """
+
+    concurrent_updates = True  # a sequence writes only its own new slots; each thread gathers into its own buffer
 
     def __init__(self, config: GPT2Config, num_blocks: int, block_size: int = 16, dtype=np.float32):
         self.manager = BlockManager(num_blocks, block_size)  # checks both counts
@@ -43,7 +48,7 @@ class PagedKVStore(KVStore):
                                 f"a paged KV pool of {num_blocks} blocks x {block_size} tokens (lower num_blocks)")
         self.slots: dict[object, np.ndarray] = {}  # seq_id -> pool slot of each position it has room for
         self.written: dict[object, int] = {}  # seq_id -> positions written so far (0 .. written - 1)
-        self._out = np.empty(config.n_positions * 2 * H * D, dtype=dtype)  # scratch for one gather (no malloc)
+        self._scratch = threading.local()  # each thread's buffer for one gather (``_gather_buffer``)
         self.max_len = config.n_positions
 
     @classmethod
@@ -106,9 +111,18 @@ class PagedKVStore(KVStore):
         pool[slots[start:end], 0] = k.transpose(1, 0, 2)  # scatter the new tokens into their blocks [T, H, D]
         pool[slots[start:end], 1] = v.transpose(1, 0, 2)
         self.written[seq_id] = max(self.written[seq_id], end)
-        out = self._out[:end * 2 * H * D].reshape(end, 2, H, D)  # a view of the scratch buffer
+        out = self._gather_buffer()[:end * 2 * H * D].reshape(end, 2, H, D)  # a view of the scratch buffer
         np.take(pool, slots[:end], axis=0, out=out, mode="clip")  # one gather, K and V in position order
         return out[:, 0].transpose(1, 0, 2), out[:, 1].transpose(1, 0, 2)  # 2 x [H, S, D] (views)
+
+    def _gather_buffer(self) -> np.ndarray:
+        """This thread's scratch for one gather, made on its first use: room for K and V of ``max_len`` tokens,
+        reused by every ``update`` (no allocation per call)."""
+        buffer = getattr(self._scratch, "out", None)
+        if buffer is None:
+            c = self.config
+            buffer = self._scratch.out = np.empty(self.max_len * 2 * c.n_head * c.head_dim, dtype=self.dtype)
+        return buffer
 
     def fork(self, parent, child) -> None:
         """``child`` starts as a copy of ``parent``'s tokens written so far, sharing their blocks; the first write

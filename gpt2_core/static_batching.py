@@ -10,8 +10,8 @@ every decode step appends one column for all rows. Two small arrays make the pad
 The batch runs until its longest row is done: a row that finishes early keeps its slot (it is fed a pad token and
 its output is thrown away) until the batch ends. That waste is what continuous batching removes.
 
-The matmuls and GELU run on the continuous engine's kernels (``model_runner.batched_linear``, ``batched_lm_head``
-and ``gelu_``), so that comparing the two measures the scheduling, not the kernels.
+The matmuls and GELU run on the continuous engine's kernels (``model_runner.linear_for_step``, with tiles for
+2-64 rows, ``batched_lm_head`` and ``gelu_``), so that comparing the two measures the scheduling, not the kernels.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .generation import check_generation
 from .kv_store import claimed_zeros
 from .model import layer_norm, softmax
-from .model_runner import batched_linear, batched_lm_head, gelu_
+from .model_runner import batched_lm_head, gelu_, linear_for_step
 from .sampling import Sampler, sampling_params_of
 from .sequence import FinishReason, SequenceMetrics, check_arrivals
 from .weights import GPT2Model
@@ -88,9 +88,10 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
     mask = left_padding_attention_mask(key_mask, T)  # [B, 1, T, S]
     rows = max(1, SCORES_BYTES // (H * T * end * cache.k.itemsize))  # batch rows per attention chunk
     x = (params["wte"][ids] + params["wpe"][positions]).reshape(B * T, cfg.n_embd)  # [B*T, E]: 2-D for BLAS
+    linear = linear_for_step(model, B * T)  # the ragged step's: a decode step of 2-64 rows uses tiles
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
-        qkv = batched_linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [B*T, 3E]
+        qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [B*T, 3E]
         q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # 3 x [B, H, T, D] (views, as split_qkv)
         cache.k[layer, :, :, start:end] = k
         cache.v[layer, :, :, start:end] = v
@@ -101,9 +102,9 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
             scores = np.where(mask[b], (q[b] @ K[b].transpose(0, 1, 3, 2)) * scale, np.float32(-np.inf))  # [b, H, T, S]
             np.matmul(softmax(scores), V[b], out=out[b])  # [b, H, T, D]
         out = out.transpose(0, 2, 1, 3).reshape(B * T, cfg.n_embd)  # [B*T, E]
-        x += batched_linear(out, **p["attn"]["c_proj"])  # [B*T, E] residual
-        h = gelu_(batched_linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
-        x += batched_linear(h, **p["mlp"]["c_proj"])
+        x += linear(out, **p["attn"]["c_proj"])  # [B*T, E] residual
+        h = gelu_(linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
+        x += linear(h, **p["mlp"]["c_proj"])
     cache.length = end
     last = x.reshape(B, T, cfg.n_embd)[:, -1]  # [B, E]
     return batched_lm_head(model, last)  # [B, V]

@@ -50,6 +50,7 @@ class GPT2Model:
     tokenizer: Tokenizer | None = None
     source: str = ""
     _head: tuple = field(default=(None, None), repr=False, compare=False)
+    _tiles: dict = field(default_factory=dict, repr=False, compare=False)  # chapter 3's tiled copies, by id
 
     def lm_head_weight(self) -> np.ndarray:
         """The tied LM head as its own contiguous [E, V] array, made on first use (chapter 2's speed-up).
@@ -63,9 +64,19 @@ class GPT2Model:
             self._head = (wte, np.ascontiguousarray(wte.T))
         return self._head[1]
 
+    def tiles(self, weight: np.ndarray, make) -> np.ndarray:
+        """``make(weight)``, made on first use and kept with the model (chapter 3's ``model_runner.tiles_for``:
+        every weight of the step in tiles of columns). Rebuilt if a weight array is replaced; after editing a
+        weight *in place*, call ``model.refresh()``."""
+        kept = self._tiles.get(id(weight))
+        if kept is None or kept[0] is not weight:
+            kept = self._tiles[id(weight)] = (weight, make(weight))
+        return kept[1]
+
     def refresh(self) -> None:
-        """Forget derived copies of the weights (call after editing ``params["wte"]`` in place)."""
+        """Forget derived copies of the weights (call after editing a weight in place)."""
         self._head = (None, None)
+        self._tiles.clear()
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """``token_ids`` as an int64 array [T], or an ``InvalidInputError`` naming what is wrong."""

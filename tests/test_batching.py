@@ -88,6 +88,66 @@ def test_batched_linear_equals_chapter_1_linear_on_both_sides_of_the_gemv_thresh
         np.testing.assert_allclose(y, linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_tiled_matmul_is_the_product_for_every_row_count_and_a_partial_last_tile(order, monkeypatch):
+    """``tile_weight`` + ``tiled_matmul`` give ``x @ w`` (to float32 rounding) on one thread and on two, with the
+    rows in one product and in groups (the small-product limit made small here: 3 rows per product), and
+    ``batched_matmul`` takes that path for 2 to ``TILED_MAX_ROWS`` rows only."""
+    monkeypatch.setattr(model_runner, "SMALL_GEMM_MNK", 3 * 48 * model_runner.TILE)
+    monkeypatch.setattr(model_runner, "TWO_THREADS_FROM_ROWS", 5)
+    rng = np.random.default_rng(5)
+    w = np.asarray(rng.standard_normal((48, 3 * model_runner.TILE + 7), dtype=np.float32), order=order)
+    tiles = model_runner.tile_weight(w)
+    assert tiles.shape == (4, 48, model_runner.TILE) and tiles.flags.c_contiguous
+    assert np.array_equal(tiles[3][:, 7:], np.zeros((48, model_runner.TILE - 7), np.float32))  # the padding
+    assert np.array_equal(np.concatenate(list(tiles), axis=1)[:, :w.shape[1]], w)  # the tiles side by side are w
+    for n in (1, 2, 3, 4, 5, 9, 17):
+        x = rng.standard_normal((n, 48), dtype=np.float32)
+        y = model_runner.tiled_matmul(x, tiles, w.shape[1])
+        assert y.shape == (n, w.shape[1]) and y.dtype == np.float32
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+    seen = []
+    real = model_runner.tiled_matmul
+    monkeypatch.setattr(model_runner, "tiled_matmul", lambda x, t, n: seen.append(len(x)) or real(x, t, n))
+    for n in (1, 2, model_runner.TILED_MAX_ROWS, model_runner.TILED_MAX_ROWS + 1):
+        x = rng.standard_normal((n, 48), dtype=np.float32)
+        np.testing.assert_allclose(model_runner.batched_matmul(x, w, tiles=tiles), x.astype(np.float64) @ w,
+                                   rtol=1e-5, atol=1e-5)
+    assert seen == [2, model_runner.TILED_MAX_ROWS]
+
+
+def test_tiles_are_made_once_per_weight_and_forgotten_on_refresh():
+    model = tiny_model()
+    w = model.params["h"][0]["mlp"]["c_fc"]["weight"]
+    tiles = model_runner.tiles_for(model, w)
+    assert model_runner.tiles_for(model, w) is tiles  # kept with the model
+    model.params["h"][0]["mlp"]["c_fc"]["weight"] = w2 = w * 2  # a new array: new tiles
+    assert np.array_equal(model_runner.tiles_for(model, w2), model_runner.tile_weight(w2))
+    w2 *= 0.5  # edited in place: the model cannot see it until refresh()
+    model.refresh()
+    assert np.array_equal(model_runner.tiles_for(model, w2), model_runner.tile_weight(w))
+
+
+def test_without_memory_for_the_tiles_the_step_runs_without_them(monkeypatch):
+    """Tiles are an optimisation: when the memory for them is not available, ``tiles_for`` says None (and keeps
+    that answer until ``refresh``), and the step gives the same logits through the untiled kernels."""
+    model = tiny_model()
+    store = ContiguousKVStore(model.config, num_slots=3, max_len=8)
+    for i in range(3):
+        store.allocate(i, 4)
+    chunks = [Chunk(i, np.array([i + 1, i + 2]), 0) for i in range(3)]
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 1000)  # less than any weight's tiles
+    without = ragged_forward(model, store, chunks)
+    assert model._tiles and all(t is None for _, t in model._tiles.values())
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: None)  # the system does not say: tiles
+    assert model_runner.tiles_for(model, model.lm_head_weight()) is None  # the answer is kept...
+    model.refresh()  # ...until refresh
+    assert model_runner.tiles_for(model, model.lm_head_weight()) is not None
+    with_tiles = ragged_forward(model, store, chunks)
+    np.testing.assert_allclose(with_tiles, without, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(without, ragged_forward(model, store, chunks, tiled=False))
+
+
 def test_gemm_rows_pads_a_remainder_of_5_to_7_rows_to_the_next_tile():
     """Decode-sized batches only: a 1,253-row prefill is left alone (the sizes measured end at 33 rows)."""
     assert model_runner.ROW_TILE == 8 and model_runner.PAD_MAX_ROWS == 32
@@ -114,7 +174,7 @@ def test_padded_rows_change_no_result_and_the_head_pads_too(monkeypatch):
     model = tiny_model()
     h = rng.standard_normal((13, model.config.n_embd), dtype=np.float32)
     seen.clear()
-    logits = model_runner.batched_lm_head(model, h)
+    logits = model_runner.batched_lm_head(model, h, tiled=False)  # tiled, the head takes no GEMM at 13 rows
     assert seen == [16] and logits.shape == (13, model.config.vocab_size)
     np.testing.assert_allclose(logits, kv_cache.lm_head_fast(model, h), rtol=1e-5, atol=1e-5)
 
@@ -150,14 +210,19 @@ def test_gemm_row_padding_times_the_padded_and_the_unpadded_products(monkeypatch
 
 @pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")
 def test_decode_steps_of_every_batch_size_match_chapter_2(name, model, monkeypatch):
-    """Batches of 1 .. GEMV_MAX_ROWS + 3 decoding sequences: the GEMV path, the GEMM path and the head's column
-    blocks (made small here, so that the vocabulary ends in a partial block) all give chapter 2's logits."""
+    """Batches of 1 .. GEMV_MAX_ROWS + 3 decoding sequences: the tiled path (one thread, then two, the rows in
+    groups where the small-product limit is made small here), and without tiles the GEMV path, the GEMM path and
+    the head's column blocks (made small, so that the vocabulary ends in a partial block) all give chapter 2's
+    logits."""
     monkeypatch.setattr(model_runner, "HEAD_BLOCK", 7)
+    monkeypatch.setattr(model_runner, "TWO_THREADS_FROM_ROWS", 4)
+    monkeypatch.setattr(model_runner, "SMALL_GEMM_MNK", 5 * model.config.n_embd * model_runner.TILE)  # 5 rows
     rng = np.random.default_rng(1)
     V = model.config.vocab_size
     before = {k: a.copy() for k, a in model.state_dict().items()}
-    for batch, gemv_max_rows in [(b, model_runner.GEMV_MAX_ROWS) for b in range(1, model_runner.GEMV_MAX_ROWS + 4)] \
-            + [(3, 1), (8, 8)]:  # and each path forced where the package would take the other
+    sizes = range(1, model_runner.GEMV_MAX_ROWS + 4)
+    for batch, gemv_max_rows, tiled in [(b, model_runner.GEMV_MAX_ROWS, t) for t in (True, False) for b in sizes] \
+            + [(3, 1, False), (8, 8, False)]:  # and each untiled path forced where it would take the other
         store = ContiguousKVStore(model.config, num_slots=batch, max_len=12)
         prompts = [rng.integers(0, V, size=int(rng.integers(1, 8))) for _ in range(batch)]
         caches = []
@@ -168,7 +233,7 @@ def test_decode_steps_of_every_batch_size_match_chapter_2(name, model, monkeypat
         tokens = rng.integers(0, V, size=batch)
         step = ragged_forward(model, store, [Chunk(i, np.array([t]), len(p))
                                              for i, (p, t) in enumerate(zip(prompts, tokens))],
-                              gemv_max_rows=gemv_max_rows)
+                              gemv_max_rows=gemv_max_rows, tiled=tiled)
         assert step.shape == (batch, V)
         for row, t, cache in zip(step, tokens, caches):
             np.testing.assert_allclose(row, kv_cache.decode_step(model, int(t), cache), atol=1e-4)
@@ -532,11 +597,13 @@ def test_small_batch_comparison_runs_both_paths(monkeypatch):
 
     calls = []
     matmul, head = model_runner.batched_matmul, MODEL.lm_head_weight()
-    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, w, g=model_runner.GEMV_MAX_ROWS, block=None: (
-        w is head and calls.append((len(x), "gemm" if len(x) > g else "gemv")), matmul(x, w, g, block))[1])
+    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, w, g=model_runner.GEMV_MAX_ROWS, block=None,
+                        tiles=None: (w is head and calls.append((len(x), "gemm" if len(x) > g else "gemv", tiles)),
+                                     matmul(x, w, g, block, tiles))[1])
     records = bb.small_batch_gemv_speedup(MODEL, batches=(2, 3), context=8, rounds=2)
     steps_per_arm = 2 * (1 + 3)  # rounds x (warm-up + repeats)
-    assert sorted(calls) == sorted([(n, path) for n in (2, 3) for path in ("gemm", "gemv")] * steps_per_arm)
+    assert sorted(calls, key=str) == sorted([(n, path, None) for n in (2, 3) for path in ("gemm", "gemv")]
+                                            * steps_per_arm, key=str)  # both arms without tiles
     assert [r["batch"] for r in records] == [2, 3] and all(r["package_path"] == "gemv" for r in records)
     for r in records:
         assert r["gemm_seconds_per_step"] > 0 and r["gemv_seconds_per_step"] > 0 and r["speedup"] > 0
@@ -545,20 +612,25 @@ def test_small_batch_comparison_runs_both_paths(monkeypatch):
 def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
     from gpt2_core import bench_batching as bb
 
-    timed = []  # (rows, column block, weight column-major?) of each product the bound times
+    timed = []  # (rows, column block, weight column-major?, tiled?) of each product the bound times
     matmul = model_runner.batched_matmul
-    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, w, block=None: (
-        timed.append((len(x), block, np.isfortran(w))), matmul(x, w, block=block))[1])
+    monkeypatch.setattr(model_runner, "batched_matmul", lambda x, w, block=None, tiles=None: (
+        timed.append((len(x), block, np.isfortran(w), tiles is not None)), matmul(x, w, block=block, tiles=tiles))[1])
     monkeypatch.setattr(bb, "median_time", lambda fn, repeats=5, warmup=1: (fn(), 1e-3)[1])
     bb.matmul_seconds(3, 8, 40, head=True)
     bb.matmul_seconds(3, 8, 40)
-    assert timed == [(3, model_runner.HEAD_BLOCK, False), (3, None, False)]  # the head in column blocks
+    bb.matmul_seconds(1, 8, 40, head=True)
+    bb.matmul_seconds(model_runner.TILED_MAX_ROWS + 1, 8, 40, head=True)
+    big = model_runner.TILED_MAX_ROWS + 1
+    # 2 to TILED_MAX_ROWS rows from tiles, as the step; else the head in column blocks
+    assert timed == [(3, model_runner.HEAD_BLOCK, False, True), (3, None, False, True),
+                     (1, model_runner.HEAD_BLOCK, False, False), (big, model_runner.HEAD_BLOCK, False, False)]
     timed.clear()
     bound = bb.gemm_bound_tokens_per_s(MODEL, batch=2, repeats=1)
     assert bound["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
     # each layer matrix in the model's own memory order: c_attn, attn.c_proj, c_fc, mlp.c_proj; then the head
-    assert timed == [(2, None, False), (2, None, True), (2, None, False), (2, None, True),
-                     (2, model_runner.HEAD_BLOCK, False)]
+    assert timed == [(2, None, False, True), (2, None, True, True), (2, None, False, True), (2, None, True, True),
+                     (2, model_runner.HEAD_BLOCK, False, True)]
 
 
 def record_calls(monkeypatch, module, names) -> list:
@@ -579,6 +651,7 @@ def test_warm_up_serves_every_numpy_strategy_and_builds_the_head(monkeypatch):
     bb.warm_up(model)
     assert calls == ["run_continuous", "replay_sequential", "replay_static"]  # torch is not loaded here
     assert model._head[1] is not None
+    assert len(model._tiles) == 4 * model.config.n_layer + 1  # every step weight and the head, in tiles
 
 
 def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
@@ -600,6 +673,13 @@ def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
     assert data["ratios"]["continuous_over_sequential"] == pytest.approx(
         by["continuous"]["tokens_per_s"] / by["sequential"]["tokens_per_s"])
     assert [r["batch"] for r in data["small_batch_gemv"]] == [2, 4]
+    assert [r["batch"] for r in data["tiled"]] == [2, 8]
+    assert [(r["batch"], r["context"], r["package_threads"]) for r in data["attention_threads"]] == [(8, 8, 2)]
+    assert all(r["one_thread_seconds_per_step"] > 0 and r["two_threads_seconds_per_step"] > 0
+               for r in data["attention_threads"])
+    assert model_runner.ATTENTION_TWO_THREADS_FROM == 8  # the benchmark put the package's threshold back
+    assert all(r["tiled_seconds_per_step"] > 0 and r["untiled_seconds_per_step"] > 0 for r in data["tiled"])
+    assert data["ratios"]["tiled_step_speedup_median"] == pytest.approx(np.median([r["speedup"] for r in data["tiled"]]))
     padding = data["gemm_row_padding"]  # 7 rows run as 8; 8 as they are
     assert [(r["rows"], r["gemm_rows"]) for r in padding] == [(7, 8), (8, 8)]
     assert all(r["unpadded_seconds"] > 0 and r["padded_seconds"] > 0 and r["speedup"] > 0 for r in padding)

@@ -514,3 +514,74 @@ def test_a_fork_shares_only_what_the_parent_has_written():
         m = store.manager
         m.allocate("x", 0)
         m.fork("x", "y", 3)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_attention_on_two_threads_gives_the_one_thread_logits_and_each_thread_its_own_gather(kind, monkeypatch):
+    """A ragged step of prefills and decodes with attention shared between two threads (from 2 sequences here)
+    gives the logits of the same step on one thread, bit for bit: each sequence's attention is the same
+    arithmetic, whichever thread runs it. The paged store gathers into one scratch buffer per thread."""
+    from gpt2_core import model_runner
+
+    model = tiny_model()
+    V = model.config.vocab_size
+
+    def step_logits(two_from: int):
+        monkeypatch.setattr(model_runner, "ATTENTION_TWO_THREADS_FROM", two_from)
+        store = (ContiguousKVStore(model.config, num_slots=6, max_len=16) if kind == "contiguous"
+                 else PagedKVStore(model.config, num_blocks=40, block_size=4))
+        prompts = [np.random.default_rng(i).integers(0, V, size=2 + 2 * i) for i in range(6)]  # 2-12 tokens
+        for i, p in enumerate(prompts[:4]):  # four sequences with a past, then a step of 4 decodes + 2 prefills
+            store.allocate(i, len(p) + 1)
+            ragged_forward(model, store, [Chunk(i, p, 0)])
+        for i, p in enumerate(prompts[4:], start=4):
+            store.allocate(i, len(p))
+        chunks = [Chunk(i, np.array([7 * i % V]), len(p)) for i, p in enumerate(prompts[:4])] \
+            + [Chunk(i, p, 0) for i, p in enumerate(prompts[4:], start=4)]
+        return ragged_forward(model, store, chunks, tiled=False), store
+
+    import threading
+
+    buffers = set()  # (thread, buffer) of each gather
+    real = PagedKVStore._gather_buffer
+    monkeypatch.setattr(PagedKVStore, "_gather_buffer", lambda self: (
+        buffers.add((threading.get_ident(), id(b := real(self)))), b)[1])
+    one, first_store = step_logits(10 ** 9)  # kept alive: its buffer's id is not reused
+    two, store = step_logits(2)
+    assert store.concurrent_updates and first_store.concurrent_updates and np.array_equal(one, two)
+    if kind == "paged":  # in the two-thread step the caller and the worker each gathered into a buffer of their own
+        threads = {t for t, _ in buffers}
+        assert len(threads) == 2 and len(buffers) == 3  # the one-thread step's buffer, then one per thread
+
+
+def test_a_failing_half_of_the_attention_waits_for_the_other_half_then_raises(monkeypatch):
+    """If one thread's half raises, the error reaches the caller only after the other half has finished (nothing
+    writes to the store behind the engine's back while it undoes the step); a store that does not allow
+    concurrent updates gets all the work on the calling thread."""
+    import threading
+    import time
+
+    from gpt2_core import model_runner
+
+    monkeypatch.setattr(model_runner, "ATTENTION_TWO_THREADS_FROM", 2)
+    work = [(Chunk(i, np.array([1]), 4), (i, i + 1)) for i in range(4)]
+    done, threads = [], set()
+
+    def attend(part):
+        threads.add(threading.get_ident())
+        if part[0][0].seq_id == 0:  # the worker's half (sequence 0: a quarter of the cost) fails at once
+            raise RuntimeError("boom in the first half")
+        time.sleep(0.05)
+        done.extend(c.seq_id for c, _ in part)
+
+    class Store:
+        concurrent_updates = True
+
+    with pytest.raises(RuntimeError, match="boom"):
+        model_runner.in_two(attend, work, Store())
+    assert sorted(done) == [1, 2, 3] and len(threads) == 2  # the caller's half, finished before the error came
+    Store.concurrent_updates = False
+    done.clear(), threads.clear()
+    model_runner.in_two(lambda part: (threads.add(threading.get_ident()), done.extend(c.seq_id for c, _ in part)),
+                        work, Store())
+    assert done == [0, 1, 2, 3] and threads == {threading.get_ident()}
