@@ -45,7 +45,7 @@ class KVStore(ABC):
     config: GPT2Config
     # True if ``update`` may run for two different sequences at once, from two threads (then ``ragged_forward``
     # shares a big batch's attention between two threads); a store that keeps state shared between sequences
-    # leaves it False.
+    # leaves it False, and so must a subclass whose ``update`` adds such state (it inherits its parent's True).
     concurrent_updates: bool = False
 
     @abstractmethod

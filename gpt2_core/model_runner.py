@@ -2,8 +2,9 @@
 
 Each sequence in the batch contributes a chunk of new tokens: its whole prompt if it was just admitted
 (prefill), or its one last sampled token (decode). All chunks are concatenated into one [N, E] matrix, so every
-weight matmul is a single BLAS call that reads each weight once for all N tokens — no padding. Only attention is
-per sequence, because each sequence attends to its own cached past, fetched from a ``KVStore``.
+weight matmul reads each weight once for all N tokens — no padding: one BLAS call, or for 2 to ``TILED_MAX_ROWS``
+rows one NumPy call over the weight's tiles (``tiled_matmul``). Only attention is per sequence, because each
+sequence attends to its own cached past, fetched from a ``KVStore``.
 """
 
 from __future__ import annotations
@@ -85,17 +86,16 @@ def tile_weight(weight) -> np.ndarray:  # [in, out] -> [ceil(out / TILE), in, TI
 
 def tiles_for(model: GPT2Model, weight) -> np.ndarray | None:
     """``tile_weight(weight)``, made on first use and kept with the model (``GPT2Model.tiles``); None if the memory
-    for it is not available (``measure.available_memory_bytes``): the step then runs without tiles, as before. The
-    answer is kept too; ``model.refresh()`` asks again."""
-    return model.tiles(weight, _tiles_if_memory)
-
-
-def _tiles_if_memory(weight) -> np.ndarray | None:
-    k, n = weight.shape
-    available = available_memory_bytes()
-    if available is not None and -(-n // TILE) * TILE * k * 4 > available:
-        return None
-    return tile_weight(weight)
+    for it is not available (``measure.available_memory_bytes``): the step then runs without tiles, as before.
+    Tiles are made only while memory the size of the whole model would be left over after them, so that they
+    never take the memory a step's activations need. The answer is kept too; ``model.refresh()`` asks again."""
+    def make(w):
+        k, n = w.shape
+        available = available_memory_bytes()
+        if available is not None and -(-n // TILE) * TILE * k * 4 + model.nbytes() > available:
+            return None
+        return tile_weight(w)
+    return model.tiles(weight, make)
 
 
 _POOL: list = []  # the one worker thread that takes half of the tiles, started on first use
@@ -103,8 +103,13 @@ _POOL: list = []  # the one worker thread that takes half of the tiles, started 
 
 def _worker():
     if not _POOL:
-        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="gpt2-tiles") if (os.cpu_count() or 1) > 1 else None)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="gpt2-tiles") if cores > 1 else None)
     return _POOL[0]
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has no worker thread: it starts its own on first use
+    os.register_at_fork(after_in_child=_POOL.clear)
 
 
 def tiled_matmul(x, tiles, out_features: int) -> np.ndarray:  # x [N, in], tiles [B, in, TILE] -> [N, out]
@@ -143,10 +148,11 @@ ATTENTION_TWO_THREADS_FROM = 8  # sequences: measured even at 2-8, 1.1-1.2x at 1
 def in_two(attend, work, store: KVStore) -> None:
     """``attend(work)``, with the work split in two halves of about equal cost (tokens x tokens seen) between the
     worker thread and this one, from ``ATTENTION_TWO_THREADS_FROM`` sequences on, if the store allows it
-    (``KVStore.concurrent_updates``). Each sequence's attention reads only its own cache and writes only its own
-    rows, so the halves never touch each other's data. If a half fails, the other is finished before the error
+    (``KVStore.concurrent_updates``) and no sequence has two chunks. Each sequence's attention reads only its own
+    cache and writes only its own rows, so the halves never touch each other's data. If a half fails, the other is finished before the error
     goes on (the store is never written behind the caller's back)."""
-    worker = _worker() if len(work) >= ATTENTION_TWO_THREADS_FROM and store.concurrent_updates else None
+    distinct = len({chunk.seq_id for chunk, _ in work}) == len(work)  # two chunks of one sequence run in order
+    worker = _worker() if len(work) >= ATTENTION_TWO_THREADS_FROM and store.concurrent_updates and distinct else None
     if worker is None:
         attend(work)
         return

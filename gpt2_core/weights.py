@@ -66,10 +66,13 @@ class GPT2Model:
 
     def tiles(self, weight: np.ndarray, make) -> np.ndarray:
         """``make(weight)``, made on first use and kept with the model (chapter 3's ``model_runner.tiles_for``:
-        every weight of the step in tiles of columns). Rebuilt if a weight array is replaced; after editing a
-        weight *in place*, call ``model.refresh()``."""
+        every weight of the step in tiles of columns). Rebuilt if a weight array is replaced (the old array's tiles
+        are dropped then); after editing a weight *in place*, call ``model.refresh()``."""
         kept = self._tiles.get(id(weight))
         if kept is None or kept[0] is not weight:
+            live = {id(a) for a in self.state_dict().values()} | {id(self._head[1]), id(weight)}
+            for key in [key for key, (w, _) in self._tiles.items() if id(w) not in live]:
+                del self._tiles[key]  # the tiles of a weight that was replaced: freed with it
             kept = self._tiles[id(weight)] = (weight, make(weight))
         return kept[1]
 

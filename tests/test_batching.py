@@ -123,7 +123,9 @@ def test_tiles_are_made_once_per_weight_and_forgotten_on_refresh():
     assert model_runner.tiles_for(model, w) is tiles  # kept with the model
     model.params["h"][0]["mlp"]["c_fc"]["weight"] = w2 = w * 2  # a new array: new tiles
     assert np.array_equal(model_runner.tiles_for(model, w2), model_runner.tile_weight(w2))
+    assert all(kept is not w for kept, _ in model._tiles.values())  # w's tiles went with it
     w2 *= 0.5  # edited in place: the model cannot see it until refresh()
+    assert np.array_equal(model_runner.tiles_for(model, w2), model_runner.tile_weight(w * 2))  # stale, as documented
     model.refresh()
     assert np.array_equal(model_runner.tiles_for(model, w2), model_runner.tile_weight(w))
 

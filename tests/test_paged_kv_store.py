@@ -521,8 +521,11 @@ def test_attention_on_two_threads_gives_the_one_thread_logits_and_each_thread_it
     """A ragged step of prefills and decodes with attention shared between two threads (from 2 sequences here)
     gives the logits of the same step on one thread, bit for bit: each sequence's attention is the same
     arithmetic, whichever thread runs it. The paged store gathers into one scratch buffer per thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from gpt2_core import model_runner
 
+    monkeypatch.setattr(model_runner, "_POOL", [ThreadPoolExecutor(1)])  # a worker, even on a 1-core machine
     model = tiny_model()
     V = model.config.vocab_size
 
@@ -561,8 +564,11 @@ def test_a_failing_half_of_the_attention_waits_for_the_other_half_then_raises(mo
     import threading
     import time
 
+    from concurrent.futures import ThreadPoolExecutor
+
     from gpt2_core import model_runner
 
+    monkeypatch.setattr(model_runner, "_POOL", [ThreadPoolExecutor(1)])  # a worker, even on a 1-core machine
     monkeypatch.setattr(model_runner, "ATTENTION_TWO_THREADS_FROM", 2)
     work = [(Chunk(i, np.array([1]), 4), (i, i + 1)) for i in range(4)]
     done, threads = [], set()
@@ -585,3 +591,31 @@ def test_a_failing_half_of_the_attention_waits_for_the_other_half_then_raises(mo
     model_runner.in_two(lambda part: (threads.add(threading.get_ident()), done.extend(c.seq_id for c, _ in part)),
                         work, Store())
     assert done == [0, 1, 2, 3] and threads == {threading.get_ident()}
+    Store.concurrent_updates = True  # two chunks of one sequence: in order, on the calling thread
+    done.clear(), threads.clear()
+    twice = [(Chunk(0, np.array([1]), 4), (0, 1)), (Chunk(0, np.array([2]), 5), (1, 2))] + work[1:]
+    model_runner.in_two(lambda part: (threads.add(threading.get_ident()), done.extend(c.seq_id for c, _ in part)),
+                        twice, Store())
+    assert done == [0, 0, 1, 2, 3] and threads == {threading.get_ident()}
+
+
+def test_a_forked_child_starts_its_own_worker_thread():
+    """After ``os.fork`` the parent's worker thread does not exist in the child: the child must not wait on it
+    (a step of 9+ rows would hang), it starts its own."""
+    import multiprocessing
+
+    from gpt2_core import model_runner
+
+    x = np.ones((model_runner.TWO_THREADS_FROM_ROWS, 8), dtype=np.float32)
+    w = np.ones((8, 4 * model_runner.TILE), dtype=np.float32)
+    model_runner.tiled_matmul(x, model_runner.tile_weight(w), w.shape[1])  # the parent's worker exists now
+    if model_runner._worker() is None:
+        pytest.skip("one core: no worker thread to lose")
+    child = multiprocessing.get_context("fork").Process(
+        target=lambda: os._exit(0 if model_runner.tiled_matmul(x, model_runner.tile_weight(w), w.shape[1])[0, 0] == 8
+                                else 1))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
