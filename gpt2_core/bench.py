@@ -538,7 +538,7 @@ def bench_paged(**kwargs) -> dict:  # chapter 4 (imported on use: it needs the c
     return run(**kwargs)
 
 
-def bench_padding(**kwargs) -> dict:  # chapter 3, rows in whole tiles (``model_runner.gemm_rows``)
+def bench_padding(**kwargs) -> dict:  # chapter 3, rows in whole blocks of 8 (``model_runner.gemm_rows``)
     from .bench_batching import bench_padding as run
 
     return run(**kwargs)

@@ -53,7 +53,7 @@ def gemm_rows(n: int) -> int:
     """How many rows to hand BLAS's matrix-matrix product for ``n`` rows: ``n``, or, up to ``PAD_MAX_ROWS`` rows,
     ``n`` padded up to a multiple of ``ROW_TILE`` when 5 to 7 rows would be left past the last full multiple.
 
-    This BLAS works through the rows in tiles, and a remainder of 5-7 rows can cost more than a whole tile. All
+    This BLAS works through the rows in blocks, and a remainder of 5-7 rows can cost more than a whole block. All
     the matmuls of a GPT-2 small step, padded and not, side by side (``python -m gpt2_core bench padding``,
     ``data/benchmarks/padding-2026-12-03.json``, median of 15 rounds each): padded ran 1.07x as fast at 7 rows,
     1.08-1.13x at 13-15, 1.01-1.07x at 21-23 and 29-31; the row counts it leaves alone measured 0.96-1.03x. A
@@ -173,7 +173,7 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     With ``tiles`` (``tile_weight(weight)``), 2 to ``TILED_MAX_ROWS`` rows go through ``tiled_matmul``; the
     kernels below are the ones used without tiles, and past ``TILED_MAX_ROWS``.
 
-    BLAS's matrix-matrix product (GEMM) repacks the weight, panel by panel, into cache-sized tiles before
+    BLAS's matrix-matrix product (GEMM) repacks the weight, panel by panel, into cache-sized blocks before
     multiplying. For one row NumPy calls a matrix-vector product (GEMV) instead, which just streams the weight.
     For 2 to ``gemv_max_rows`` rows, one GEMV per row still costs less than the repacking: the rows after the
     first find the weight (2-9 MB per matrix for GPT-2 small) in the L3 cache. ``x[:, None, :] @ weight`` is a
