@@ -468,7 +468,8 @@ def projections_in_order(model: GPT2Model, order: str) -> GPT2Model:
 def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Config = "gpt2") -> dict:
     """Whole decode steps with the checkpoint's row-major output projections vs the package's column-major ones,
     side by side (each round times both): chapter 2's ``decode_step`` at batch 1, chapter 3's ragged step without
-    tiles (``tiled=False``: the kernels that see the memory order) for larger batches; and chapter 2's ``prefill`` of prompts of several lengths, which runs chapter 1's ``x @ W``.
+    tiles (``tiled=False``: the kernels that see the memory order) for larger batches; and chapter 2's ``prefill``
+    of prompts of several lengths, which runs chapter 1's ``x @ W``.
     ``shape``: the model's preset or config (GPT-2 124M; tests pass a small one)."""
     from .bench_batching import decode_step_runner
 

@@ -162,7 +162,7 @@ def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False,
     A = rng.standard_normal((m, k), dtype=np.float32)
     B = np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C")
     block = model_runner.HEAD_BLOCK if head else None
-    tiles = model_runner.tile_weight(B) if 1 < m <= model_runner.TILED_MAX_ROWS else None
+    tiles = model_runner.tile_weight(B) if model_runner.uses_tiles(m) else None
     return median_time(lambda: model_runner.batched_matmul(A, B, block=block, tiles=tiles), repeats=repeats)
 
 
@@ -207,6 +207,17 @@ def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: 
             for _ in range(pairs)]
 
 
+def interleaved(runs: dict, rounds: int) -> dict:
+    """``{name: [seconds per round]}``: each of ``runs`` (name -> function) timed in every round, the median of 3
+    calls after a warm-up, in the dict's order in even rounds and reversed in odd ones, so that the machine's drift
+    falls on all of them alike."""
+    times: dict = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            times[name].append(median_time(runs[name], repeats=3, warmup=1))
+    return times
+
+
 def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), context: int = 128,
                              rounds: int = 7) -> list[dict]:
     """The ragged decode step without tiles (``tiled=False``) with one GEMV per row (the head in cached column
@@ -215,12 +226,8 @@ def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), conte
     path, the median of the per-round ratios GEMM time / GEMV time, and which path the untiled step takes."""
     records = []
     for b in batches:
-        steps = {"gemv": decode_step_runner(model, b, context, gemv_max_rows=b, tiled=False),
-                 "gemm": decode_step_runner(model, b, context, gemv_max_rows=1, tiled=False)}
-        times: dict[str, list[float]] = {"gemv": [], "gemm": []}
-        for r in range(rounds):
-            for path in (("gemv", "gemm") if r % 2 else ("gemm", "gemv")):
-                times[path].append(median_time(steps[path], repeats=3, warmup=1))
+        times = interleaved({"gemm": decode_step_runner(model, b, context, gemv_max_rows=1, tiled=False),
+                             "gemv": decode_step_runner(model, b, context, gemv_max_rows=b, tiled=False)}, rounds)
         ratios = [g / v for g, v in zip(times["gemm"], times["gemv"])]
         records.append({"batch": b, "context": context, "gemm_seconds_per_step": float(np.median(times["gemm"])),
                         "gemv_seconds_per_step": float(np.median(times["gemv"])),
@@ -237,12 +244,8 @@ def tiled_speedup(model: GPT2Model, batches=(2, 4, 8, 16, 32, 64), context: int 
     untiled time / tiled time."""
     records = []
     for b in batches:
-        steps = {"tiled": decode_step_runner(model, b, context, tiled=True),
-                 "untiled": decode_step_runner(model, b, context, tiled=False)}
-        times: dict[str, list[float]] = {"tiled": [], "untiled": []}
-        for r in range(rounds):
-            for path in (("tiled", "untiled") if r % 2 else ("untiled", "tiled")):
-                times[path].append(median_time(steps[path], repeats=3, warmup=1))
+        times = interleaved({"untiled": decode_step_runner(model, b, context, tiled=False),
+                             "tiled": decode_step_runner(model, b, context, tiled=True)}, rounds)
         records.append({"batch": b, "context": context,
                         "untiled_seconds_per_step": float(np.median(times["untiled"])),
                         "tiled_seconds_per_step": float(np.median(times["tiled"])),
@@ -260,13 +263,15 @@ def attention_threads_speedup(model: GPT2Model, batches=(4, 8, 16, 32), contexts
     for b in batches:
         for context in contexts:
             step = decode_step_runner(model, b, context)
-            times: dict[int, list[float]] = {1: [], 2: []}
             threshold = model_runner.ATTENTION_TWO_THREADS_FROM
+
+            def on(threads: int):  # the step, with in_two's threshold set for 1 or 2 threads
+                def run():
+                    model_runner.ATTENTION_TWO_THREADS_FROM = 2 if threads == 2 else b + 1
+                    step()
+                return run
             try:
-                for r in range(rounds):
-                    for threads in ((1, 2) if r % 2 else (2, 1)):
-                        model_runner.ATTENTION_TWO_THREADS_FROM = 2 if threads == 2 else b + 1
-                        times[threads].append(median_time(step, repeats=3, warmup=1))
+                times = interleaved({2: on(2), 1: on(1)}, rounds)
             finally:
                 model_runner.ATTENTION_TWO_THREADS_FROM = threshold
             records.append({"batch": b, "context": context,

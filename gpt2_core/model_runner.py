@@ -72,6 +72,11 @@ TILED_MAX_ROWS = 64
 TWO_THREADS_FROM_ROWS = 9  # from this many rows the tiles are shared between two threads
 
 
+def uses_tiles(rows: int) -> bool:
+    """Does a product of ``rows`` rows go through the tiles (``tiled_matmul``) when it has them?"""
+    return 1 < rows <= TILED_MAX_ROWS
+
+
 def tile_weight(weight) -> np.ndarray:  # [in, out] -> [ceil(out / TILE), in, TILE]
     """``weight`` cut into tiles of ``TILE`` columns, each tile its own contiguous [in, TILE] matrix; the last
     tile is padded with zero columns. A copy: 495 MB more for GPT-2 small's step weights and head."""
@@ -149,8 +154,8 @@ def in_two(attend, work, store: KVStore) -> None:
     """``attend(work)``, with the work split in two halves of about equal cost (tokens x tokens seen) between the
     worker thread and this one, from ``ATTENTION_TWO_THREADS_FROM`` sequences on, if the store allows it
     (``KVStore.concurrent_updates``) and no sequence has two chunks. Each sequence's attention reads only its own
-    cache and writes only its own rows, so the halves never touch each other's data. If a half fails, the other is finished before the error
-    goes on (the store is never written behind the caller's back)."""
+    cache and writes only its own rows, so the halves never touch each other's data. If a half fails, the other
+    is finished before the error goes on (the store is never written behind the caller's back)."""
     distinct = len({chunk.seq_id for chunk, _ in work}) == len(work)  # two chunks of one sequence run in order
     worker = _worker() if len(work) >= ATTENTION_TWO_THREADS_FROM and store.concurrent_updates and distinct else None
     if worker is None:
@@ -189,7 +194,7 @@ def batched_matmul(x, weight, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | N
     Every GEMM gets ``gemm_rows(N)`` rows: ``x`` is padded with zero rows when that is faster.
     """
     n = len(x)
-    if tiles is not None and 1 < n <= TILED_MAX_ROWS:
+    if tiles is not None and uses_tiles(n):
         return tiled_matmul(x, tiles, weight.shape[1])
     if n > gemv_max_rows:
         rows = gemm_rows(n)
@@ -224,7 +229,7 @@ def batched_linear(x, weight, bias, gemv_max_rows: int = GEMV_MAX_ROWS, tiles=No
 def linear_for_step(model: GPT2Model, rows: int, gemv_max_rows: int = GEMV_MAX_ROWS, tiled: bool = True):
     """The ``linear(x, weight, bias)`` of a step of ``rows`` rows: ``batched_linear``, with the weight's tiles
     (``tiles_for``) for 2 to ``TILED_MAX_ROWS`` rows if ``tiled``."""
-    use_tiles = tiled and 1 < rows <= TILED_MAX_ROWS
+    use_tiles = tiled and uses_tiles(rows)
 
     def linear(x, weight, bias):  # x [rows, in] -> [rows, out]
         return batched_linear(x, weight, bias, gemv_max_rows, tiles_for(model, weight) if use_tiles else None)
@@ -245,7 +250,7 @@ def batched_lm_head(model: GPT2Model, x, gemv_max_rows: int = GEMV_MAX_ROWS,
         return lm_head_fast(model, x)  # [1, V]
     x = layer_norm(x, **model.params["ln_f"], eps=model.config.layer_norm_epsilon)  # [B, E]
     head = model.lm_head_weight()  # [E, V]
-    tiles = tiles_for(model, head) if tiled and len(x) <= TILED_MAX_ROWS else None
+    tiles = tiles_for(model, head) if tiled and uses_tiles(len(x)) else None
     return batched_matmul(x, head, gemv_max_rows, block=HEAD_BLOCK, tiles=tiles)  # [B, V]
 
 

@@ -681,7 +681,8 @@ def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
                for r in data["attention_threads"])
     assert model_runner.ATTENTION_TWO_THREADS_FROM == 8  # the benchmark put the package's threshold back
     assert all(r["tiled_seconds_per_step"] > 0 and r["untiled_seconds_per_step"] > 0 for r in data["tiled"])
-    assert data["ratios"]["tiled_step_speedup_median"] == pytest.approx(np.median([r["speedup"] for r in data["tiled"]]))
+    assert data["ratios"]["tiled_step_speedup_median"] == pytest.approx(
+        np.median([r["speedup"] for r in data["tiled"]]))
     padding = data["gemm_row_padding"]  # 7 rows run as 8; 8 as they are
     assert [(r["rows"], r["gemm_rows"]) for r in padding] == [(7, 8), (8, 8)]
     assert all(r["unpadded_seconds"] > 0 and r["padded_seconds"] > 0 and r["speedup"] > 0 for r in padding)
