@@ -28,18 +28,52 @@ from .weights import GPT2Model, random_model
 # Machine limits
 
 
-def gemv_bandwidth(rows: int = 768, cols: int = 50257, repeats: int = 7, transposed: bool = False) -> float:
-    """Bytes/s a BLAS matrix-vector product streams: the ceiling of batch-1 decoding, which reads every weight
-    once per token. Measured on the LM head's shape (the largest GEMV in the model, 154 MB: well past cache).
+def gemv_bandwidth(rows: int = 768, cols: int = 50257, repeats: int = 7, transposed: bool = False,
+                   copies: int = 3) -> float:
+    """Bytes/s a BLAS matrix-vector product streams from memory: the ceiling of batch-1 decoding, which reads every
+    weight once per token. Measured on the LM head's shape (the largest GEMV in the model, 154 MB), the median of
+    ``repeats`` products after one untimed round.
+
+    Each product reads one of ``copies`` distinct matrices, taken in turn: with 3, a matrix is read again only after
+    two others (308 MB) have pushed it out of the caches, as a decode step reads each weight after half a gigabyte
+    of others. ``copies=1`` reads the same matrix every time; the part of it that the L3 cache (32 MB here) still
+    holds from the last product then makes memory look faster than a decode step ever sees it (10-20% here,
+    ``gemv_cache_effect``).
 
     ``x @ W`` with W stored [in, out] row-major (the Conv1D layout) is the fast case; ``transposed=True`` measures
     ``x @ W.T`` with W stored [out, in], as the tied head ``x @ wte.T`` reads it.
     """
-    rng = np.random.default_rng(0)
-    W = rng.standard_normal((cols, rows) if transposed else (rows, cols), dtype=np.float32)
-    x = rng.standard_normal((1, rows), dtype=np.float32)
-    seconds = median_time((lambda: x @ W.T) if transposed else (lambda: x @ W), repeats=repeats)
-    return W.nbytes / seconds
+    _check_integers("gemv_bandwidth", ("rows", rows, 1, None), ("cols", cols, 1, None),
+                    ("repeats", repeats, 1, None), ("copies", copies, 1, None))
+    shape = (cols, rows) if transposed else (rows, cols)
+    # np.full writes every page (np.zeros would leave them all mapped to one shared page of zeros, read from the
+    # cache); a GEMV's time does not depend on the values
+    matrices = [np.full(shape, 0.01 * (i + 1), dtype=np.float32) for i in range(copies)]
+    x = np.random.default_rng(0).standard_normal((1, rows), dtype=np.float32)
+    seconds = []
+    for i in range(copies + repeats):  # the first round, one product per matrix, untimed
+        W = matrices[i % copies]
+        t0 = time.perf_counter()
+        x @ W.T if transposed else x @ W
+        if i >= copies:
+            seconds.append(time.perf_counter() - t0)
+    return matrices[0].nbytes / float(np.median(seconds))
+
+
+def gemv_cache_effect(rounds: int = 5, repeats: int = 3, rows: int = 768, cols: int = 50257) -> dict:
+    """``gemv_bandwidth`` read cold (3 matrices in turn, as the bound uses it) and warm (one matrix read again and
+    again), side by side: ``rounds`` rounds of both, in alternating order. -> medians in bytes/s, and
+    ``warm_over_cold``: how much the L3 cache flatters a bandwidth measured on a single matrix. ``rows``, ``cols``:
+    the matrices' shape (the LM head's; tests pass a small one)."""
+    _check_integers("gemv_cache_effect", ("rounds", rounds, 1, None), ("repeats", repeats, 1, None))
+    runs = {"cold": 3, "warm": 1}
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            rates[name].append(gemv_bandwidth(rows, cols, repeats=repeats, copies=runs[name]))
+    cold, warm = (float(np.median(rates[name])) for name in runs)
+    return {"cold_bytes_per_s": cold, "warm_bytes_per_s": warm, "warm_over_cold": warm / cold,
+            "per_round": rates}
 
 
 def weight_bytes_per_token(model: GPT2Model) -> int:
@@ -434,6 +468,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     profile_in_step = profile_decode_in_step(model, positions[-1] // 2)
     fewer_calls = fewer_calls_side_by_side(model, positions[-1] // 2, rounds=30 if quick else 150)
     by_kind = [gemv_chain_by_kind(model) for _ in range(3 if quick else 9)]  # bytes/s per round
+    cache_effect = gemv_cache_effect(rounds=3 if quick else 7)  # the bound's GEMV read cold vs warm
     ratios = {
         "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],
         "kv_cache_over_hf": None if hf_tps is None else decode_tps / hf_tps,
@@ -444,7 +479,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
             "results": results, "ratios": ratios, "profile_ms_per_step": profile,
             "profile_in_step_ms_per_step": profile_in_step, "fewer_calls_side_by_side": fewer_calls,
-            "gemv_bytes_per_s_by_kind": by_kind}
+            "gemv_bytes_per_s_by_kind": by_kind, "gemv_cache_effect": cache_effect}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -196,6 +196,39 @@ def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monk
         bench.gemv_chain_by_kind(m, repeats=0)
 
 
+def test_gemv_bandwidth_reads_distinct_matrices_in_turn_and_checks_its_arguments(monkeypatch):
+    from gpt2_core import bench
+
+    made = []
+    full = np.full
+
+    def recording_full(*args, **kwargs):
+        made.append(full(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(bench.np, "full", recording_full)
+    for transposed in (False, True):
+        made.clear()
+        rate = bench.gemv_bandwidth(rows=16, cols=64, repeats=4, transposed=transposed, copies=3)
+        assert np.isfinite(rate) and rate > 0
+        assert [a.shape for a in made] == [(64, 16) if transposed else (16, 64)] * 3
+        # three matrices in three separate buffers, every page written (none left to the shared page of zeros)
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(made) for b in made[i + 1:])
+        assert all(np.all(a != 0) for a in made)
+    made.clear()
+    assert bench.gemv_bandwidth(rows=16, cols=64, repeats=2, copies=1) > 0 and len(made) == 1
+    monkeypatch.undo()
+    for bad in ({"copies": 0}, {"repeats": 0}, {"rows": 0}, {"cols": 2.5}):
+        with pytest.raises(ValueError, match=f"gemv_bandwidth: {next(iter(bad))} must be an integer"):
+            bench.gemv_bandwidth(**{"rows": 16, "cols": 64, **bad})
+
+    effect = bench.gemv_cache_effect(rounds=2, repeats=2, rows=16, cols=64)
+    assert [len(effect["per_round"][k]) for k in ("cold", "warm")] == [2, 2]
+    assert effect["cold_bytes_per_s"] == float(np.median(effect["per_round"]["cold"]))
+    assert effect["warm_over_cold"] == pytest.approx(effect["warm_bytes_per_s"] / effect["cold_bytes_per_s"])
+    with pytest.raises(ValueError, match="gemv_cache_effect: rounds must be an integer"):
+        bench.gemv_cache_effect(rounds=0)
+
+
 def test_fewer_calls_side_by_side_times_every_form_checks_its_logits_and_puts_chapter_1_back(monkeypatch):
     from gpt2_core import GPT2Config, bench, model as model_module, random_model
 
