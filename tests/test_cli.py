@@ -80,6 +80,10 @@ def test_bench_writes_json_with_the_documented_shape(tmp_path):
         seconds = sum(b / by_kind[k] for k, b in kind_bytes.items())
         assert by_kind["chain"] == pytest.approx(sum(kind_bytes.values()) / seconds)
     assert chain["tokens_per_s"] == pytest.approx(statistics.median(p["gemv_chain_tokens_per_s"] for p in pairs))
+    effect = data["gemv_cache_effect"]  # the bound's GEMV read cold (as the bound reads it) and warm, side by side
+    assert len(effect["per_round"]["cold"]) == len(effect["per_round"]["warm"]) >= 3
+    assert effect["cold_bytes_per_s"] == pytest.approx(statistics.median(effect["per_round"]["cold"]))
+    assert effect["warm_over_cold"] == pytest.approx(effect["warm_bytes_per_s"] / effect["cold_bytes_per_s"])
     assert data["machine"]["numpy"] and "blas" in data["machine"]
     import platform  # every benchmark runs with the allocator keeping freed memory, where it can (glibc)
     assert data["machine"]["malloc_keeps_freed_memory"] is (platform.libc_ver()[0] == "glibc" and sys.maxsize > 2**32)

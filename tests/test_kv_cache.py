@@ -196,35 +196,76 @@ def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monk
         bench.gemv_chain_by_kind(m, repeats=0)
 
 
-def test_gemv_bandwidth_reads_distinct_matrices_in_turn_and_checks_its_arguments(monkeypatch):
+class _Tagged(np.ndarray):
+    """A matrix that logs its tag into ``reads`` each time a NumPy operation (``x @ W``) reads it or its ``.T``."""
+
+    def __array_finalize__(self, obj):
+        self.tag, self.reads = getattr(obj, "tag", None), getattr(obj, "reads", None)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        for a in inputs:
+            if isinstance(a, _Tagged):
+                a.reads.append(a.tag)
+        return getattr(ufunc, method)(*(np.asarray(a) for a in inputs), **kwargs)
+
+
+def test_gemv_bandwidth_reads_distinct_matrices_in_turn_and_times_only_after_a_round(monkeypatch):
     from gpt2_core import bench
 
-    made = []
-    full = np.full
+    # the matrices: separate buffers, every page written (none left mapped to the shared page of zeros)
+    made = bench.bound_matrices((16, 64), 3)
+    assert [a.shape for a in made] == [(16, 64)] * 3 and all(a.dtype == np.float32 and np.all(a != 0) for a in made)
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(made) for b in made[i + 1:])
 
-    def recording_full(*args, **kwargs):
-        made.append(full(*args, **kwargs))
-        return made[-1]
-    monkeypatch.setattr(bench.np, "full", recording_full)
+    reads, timed = [], []
+    clock = iter(range(10**6))
+    real_matrices = bench.bound_matrices
+
+    def tagged_matrices(shape, copies):
+        out = []
+        for i, a in enumerate(real_matrices(shape, copies)):
+            t = a.view(_Tagged)
+            t.tag, t.reads = i, reads
+            out.append(t)
+        return out
+
+    def ticking_clock():  # each call one second later; records which product each reading follows
+        timed.append(len(reads))
+        return float(next(clock))
+    monkeypatch.setattr(bench, "bound_matrices", tagged_matrices)
+    monkeypatch.setattr(bench.time, "perf_counter", ticking_clock)
     for transposed in (False, True):
-        made.clear()
+        reads.clear()
+        timed.clear()
         rate = bench.gemv_bandwidth(rows=16, cols=64, repeats=4, transposed=transposed, copies=3)
-        assert np.isfinite(rate) and rate > 0
-        assert [a.shape for a in made] == [(64, 16) if transposed else (16, 64)] * 3
-        # three matrices in three separate buffers, every page written (none left to the shared page of zeros)
-        assert not any(np.shares_memory(a, b) for i, a in enumerate(made) for b in made[i + 1:])
-        assert all(np.all(a != 0) for a in made)
-    made.clear()
-    assert bench.gemv_bandwidth(rows=16, cols=64, repeats=2, copies=1) > 0 and len(made) == 1
+        assert reads == [0, 1, 2, 0, 1, 2, 0]  # one untimed round, then each matrix in turn: never the same twice
+        # the clock is read before every product, and after the 4 timed ones only (products so far, at each reading)
+        assert timed == [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7]
+        assert rate == 16 * 64 * 4 / 1.0  # every product "took" one tick of the fake clock
+    reads.clear()
+    bench.gemv_bandwidth(rows=16, cols=64, repeats=2, copies=1)
+    assert reads == [0, 0, 0]  # warm: the same matrix every time
     monkeypatch.undo()
     for bad in ({"copies": 0}, {"repeats": 0}, {"rows": 0}, {"cols": 2.5}):
         with pytest.raises(ValueError, match=f"gemv_bandwidth: {next(iter(bad))} must be an integer"):
             bench.gemv_bandwidth(**{"rows": 16, "cols": 64, **bad})
+    assert bench.gemv_bandwidth(rows=16, cols=64, repeats=2) > 0  # and for real
 
-    effect = bench.gemv_cache_effect(rounds=2, repeats=2, rows=16, cols=64)
-    assert [len(effect["per_round"][k]) for k in ("cold", "warm")] == [2, 2]
-    assert effect["cold_bytes_per_s"] == float(np.median(effect["per_round"]["cold"]))
-    assert effect["warm_over_cold"] == pytest.approx(effect["warm_bytes_per_s"] / effect["cold_bytes_per_s"])
+
+def test_gemv_cache_effect_alternates_cold_and_warm_and_reports_their_medians(monkeypatch):
+    from gpt2_core import bench
+
+    calls = []
+
+    def fake_bandwidth(rows, cols, repeats, copies):
+        calls.append(copies)
+        return {bench.COLD_COPIES: 10.0, 1: 12.0}[copies] + len(calls)  # warm reads faster; both drift upwards
+    monkeypatch.setattr(bench, "gemv_bandwidth", fake_bandwidth)
+    effect = bench.gemv_cache_effect(rounds=3, repeats=2, rows=16, cols=64)
+    assert calls == [3, 1, 1, 3, 3, 1]  # cold first in even rounds, warm first in odd ones
+    assert effect["per_round"] == {"cold": [11.0, 14.0, 15.0], "warm": [14.0, 15.0, 18.0]}
+    assert (effect["cold_bytes_per_s"], effect["warm_bytes_per_s"]) == (14.0, 15.0)
+    assert effect["warm_over_cold"] == pytest.approx(15.0 / 14.0)
     with pytest.raises(ValueError, match="gemv_cache_effect: rounds must be an integer"):
         bench.gemv_cache_effect(rounds=0)
 
