@@ -28,6 +28,21 @@ from .weights import GPT2Model, random_model
 # Machine limits
 
 
+def interleaved(runs: dict, rounds: int, measure=None) -> dict:
+    """``{name: [one reading per round]}``: each of ``runs`` (name -> function) measured in every round, in the
+    dict's order in even rounds and reversed in odd ones, so that the machine's drift falls on all of them alike.
+    ``measure(function, round)`` takes one reading; by default the seconds of the function, the median of 3 calls
+    after a warm-up."""
+    if measure is None:
+        def measure(run, r):
+            return median_time(run, repeats=3, warmup=1)
+    readings: dict = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            readings[name].append(measure(runs[name], r))
+    return readings
+
+
 COLD_COPIES = 3  # head-shaped matrices the bound reads in turn (``gemv_bandwidth``)
 
 
@@ -75,12 +90,10 @@ def gemv_cache_effect(rounds: int = 5, repeats: int = 3, rows: int = 768, cols: 
     and ``warm_over_cold``: how much the L3 cache flatters a bandwidth measured on a single matrix. ``rows``,
     ``cols``: the matrices' shape (the LM head's; tests pass a small one)."""
     _check_integers("gemv_cache_effect", ("rounds", rounds, 1, None), ("repeats", repeats, 1, None))
-    runs = {"cold": COLD_COPIES, "warm": 1}
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            rates[name].append(gemv_bandwidth(rows, cols, repeats=repeats, copies=runs[name]))
-    cold, warm = (float(np.median(rates[name])) for name in runs)
+    rates = interleaved({"cold": lambda: gemv_bandwidth(rows, cols, repeats=repeats, copies=COLD_COPIES),
+                         "warm": lambda: gemv_bandwidth(rows, cols, repeats=repeats, copies=1)},
+                        rounds, measure=lambda run, r: run())
+    cold, warm = (float(np.median(rates[name])) for name in ("cold", "warm"))
     return {"cold_bytes_per_s": cold, "warm_bytes_per_s": warm, "warm_over_cold": warm / cold,
             "per_round": rates}
 
@@ -523,13 +536,9 @@ def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Confi
     rounds = 5 if quick else 15
 
     def side_by_side(runs: dict) -> dict:  # name -> function -> name -> [seconds per round]
-        times = {name: [] for name in runs}
         for run in runs.values():
             run()  # warm-up
-        for r in range(rounds):  # both layouts in every round, in alternating order
-            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                times[name].append(median_time(runs[name], repeats=1, warmup=0))
-        return times
+        return interleaved(runs, rounds, measure=lambda run, r: median_time(run, repeats=1, warmup=0))
 
     def batch_one(model):
         _, cache = kv_cache.prefill(model, np.arange(context), capacity=context + 1, last_only=True)

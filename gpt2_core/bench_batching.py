@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from .bench import gemv_bandwidth, hf_reference_model, step_weights, weight_bytes_per_token
+from .bench import gemv_bandwidth, hf_reference_model, interleaved, step_weights, weight_bytes_per_token
 from .engine import LLMEngine, RequestOutput, replay
 from .kv_cache import generate_stream
 from .kv_store import ContiguousKVStore
@@ -207,17 +207,6 @@ def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: 
             for _ in range(pairs)]
 
 
-def interleaved(runs: dict, rounds: int) -> dict:
-    """``{name: [seconds per round]}``: each of ``runs`` (name -> function) timed in every round, the median of 3
-    calls after a warm-up, in the dict's order in even rounds and reversed in odd ones, so that the machine's drift
-    falls on all of them alike."""
-    times: dict = {name: [] for name in runs}
-    for r in range(rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            times[name].append(median_time(runs[name], repeats=3, warmup=1))
-    return times
-
-
 def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), context: int = 128,
                              rounds: int = 7) -> list[dict]:
     """The ragged decode step without tiles (``tiled=False``) with one GEMV per row (the head in cached column
@@ -305,11 +294,8 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> li
         return run
     records = []
     for n in rows:
-        runs = {"unpadded": step(n, False), "padded": step(n, True)}
-        times: dict[str, list[float]] = {"unpadded": [], "padded": []}
-        for r in range(rounds):
-            for name in (("unpadded", "padded") if r % 2 else ("padded", "unpadded")):
-                times[name].append(median_time(runs[name], repeats=1, warmup=1 if r == 0 else 0))
+        times = interleaved({"padded": step(n, True), "unpadded": step(n, False)}, rounds,  # one call a round
+                            measure=lambda run, r: median_time(run, repeats=1, warmup=1 if r == 0 else 0))
         records.append({"rows": n, "gemm_rows": model_runner.gemm_rows(n),
                         "unpadded_seconds": float(np.median(times["unpadded"])),
                         "padded_seconds": float(np.median(times["padded"])),
