@@ -47,7 +47,7 @@ def _engine(name: str):
 
 def _bench(args) -> int:
     from .bench import run_benchmark
-    from .measure import keep_freed_memory
+    from .cpu_kernels import keep_freed_memory
 
     keep_freed_memory()  # this process only: every strategy timed with the same allocator (chapter 2, optimisation 4)
     run_benchmark(args.name, json_path=args.json, trace=args.trace, quick=args.quick)

@@ -18,6 +18,7 @@ import numpy as np
 from . import kv_cache
 from . import model as model_module
 from .config import GPT2Config
+from .cpu_kernels import accelerate, array_of
 from .generation import next_token_logits
 from .errors import is_integer, is_writable_file
 from .measure import GRADING, QUICK, blas_threads, machine_info, median_time
@@ -129,9 +130,10 @@ def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, betwee
 def step_weights(model: GPT2Model) -> list[np.ndarray]:
     """Every weight matrix one step multiplies, in order and in the memory layout the step reads: each block's
     ``c_attn`` [E, 3E], ``attn.c_proj`` [E, E], ``c_fc`` [E, 4E], ``mlp.c_proj`` [4E, E], then the head [E, V]
-    (``lm_head_weight``). A matrix's input is [rows, its first dimension]."""
+    (``wte.T``, the accelerated model's own contiguous copy). A matrix's input is [rows, its first dimension]."""
     names = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
-    return [b[module][name]["weight"] for b in model.params["h"] for module, name in names] + [model.lm_head_weight()]
+    weights = [b[module][name]["weight"] for b in model.params["h"] for module, name in names]
+    return [array_of(w) for w in weights + [model.params["wte"].T]]
 
 
 def decode_gemvs(model: GPT2Model) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -271,7 +273,7 @@ def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> di
                                                         layer_norm(x, **b["ln_2"], eps=1e-5), gelu(h))),
     }
     ms = {name: 1e3 * median_time(fn, repeats=repeats) for name, fn in parts.items()}
-    head = model.lm_head_weight()  # [E, V], as decode_step reads it
+    head = model.params["wte"].T  # [E, V], as decode_step reads it
     ms["lm head (E x V)"] = 1e3 * median_time(lambda: x @ head, repeats=repeats)
     return ms
 
@@ -294,7 +296,7 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
     operations find their data and code evicted; alone, as ``profile_decode_step`` times them, they run warm. For
     the step's length chapter 1's functions are wrapped with a timer where ``kv_cache`` and ``model`` look them up,
     and put back after; each part's time excludes the timed parts it calls. Two differences from the parts timed
-    alone: a GEMV's part includes its bias add, and the layer norms include the head's (2L + 1 of them). The cost
+    alone: a GEMV's part includes its bias add, and the head's part includes its layer norm. The cost
     of a timer outside its own window (about a microsecond, measured on a no-op before the steps) is taken off
     ``everything else``, once per timed call."""
     c = model.config
@@ -337,7 +339,7 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
                (kv_cache, "attention", lambda *a: "attention over the cache"),
                (kv_cache, "layer_norm", lambda *a, **k: "layer norms + GELU"),
                (model_module, "gelu", lambda *a: "layer norms + GELU"),
-               (kv_cache, "lm_head_fast", lambda *a: "lm head (E x V)")]
+               (kv_cache, "lm_head", lambda *a: "lm head (E x V)")]
     rng = np.random.default_rng(4)
     _, cache = kv_cache.prefill(model, rng.integers(0, c.vocab_size, size=position), capacity=position + 1,
                                 last_only=True)
@@ -363,82 +365,8 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
     return {name: 1e3 * float(np.median([s[name] for s in per_step])) for name in per_step[0]}
 
 
-# Chapter 2, optimisation 5: chapter 1's functions as they were before it, to time whole steps both ways.
-
-def _layer_norm_by_mean(x, weight, bias, eps):  # layer_norm before: x.mean()
-    centred = x - x.mean(axis=-1, keepdims=True)  # [T, E]
-    var = (centred * centred).mean(axis=-1, keepdims=True)  # [T, 1]
-    return weight * centred / np.sqrt(var + np.float32(eps)) + bias  # [T, E]
-
-
-def _attention_always_masked(q, k, v):  # attention before: the mask built even for one query
-    T, S, D = q.shape[1], k.shape[1], q.shape[2]
-    scores = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(D))  # [H, T, S]
-    visible = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]  # [T, S]
-    return model_module.softmax(np.where(visible, scores, np.float32(-np.inf))) @ v  # [H, T, D]
-
-
-def _cached_self_attention_by_np_split(x, attn, n_head, cache, layer):  # before: np.split, then split_heads x 3
-    qkv = model_module.linear(x, **attn["c_attn"])  # [T, 3E]
-    q, k, v = (model_module.split_heads(a, n_head) for a in np.split(qkv, 3, axis=-1))  # 3 x [H, T, D]
-    k_all, v_all = cache.update(layer, k, v)
-    return model_module.linear(model_module.merge_heads(kv_cache.attention(q, k_all, v_all)), **attn["c_proj"])
-
-
-# Cumulative: each form keeps the changes of the one before it. Names are the attributes of ``kv_cache`` swapped.
-FEWER_CALLS_FORMS = {
-    "before": {"cached_self_attention": _cached_self_attention_by_np_split, "attention": _attention_always_masked,
-               "layer_norm": _layer_norm_by_mean},
-    "+ split_qkv": {"attention": _attention_always_masked, "layer_norm": _layer_norm_by_mean},
-    "+ no mask for one query": {"layer_norm": _layer_norm_by_mean},
-    "+ layer_norm by sum (after)": {},
-}
-
-
-def fewer_calls_side_by_side(model: GPT2Model, position: int = 256, rounds: int = 100) -> dict:
-    """Chapter 2's optimisation 5 on whole decode steps: ``decode_step`` at ``position`` with chapter 1's functions
-    as they were before it and after each of its three changes (``FEWER_CALLS_FORMS``, swapped into ``kv_cache``
-    for the length of the measurement). One step of each form per round, each round starting with the next form, so
-    that all forms share every moment of the machine's drift and none always follows another.
-    -> {form: {"seconds_per_step": median, "same_logits": bool}}: the logits of each form's first step, compared bit
-    for bit with the current code's."""
-    c = model.config
-    _check_integers("fewer_calls_side_by_side", ("position", position, 1, c.n_positions - 1),
-                    ("rounds", rounds, 1, None))
-    rng = np.random.default_rng(5)
-    _, cache = kv_cache.prefill(model, rng.integers(0, c.vocab_size, size=position), capacity=position + 1,
-                                last_only=True)
-    token = int(rng.integers(c.vocab_size))
-    current = {name: getattr(kv_cache, name) for name in FEWER_CALLS_FORMS["before"]}
-
-    def step():
-        cache.length = position  # the same position every step
-        return kv_cache.decode_step(model, token, cache)
-
-    reference = step()
-    times: dict[str, list[float]] = {form: [] for form in FEWER_CALLS_FORMS}
-    same = {}
-    try:
-        forms = list(FEWER_CALLS_FORMS)
-        for r in range(rounds + 1):  # round 0 warms every form up and checks its logits
-            for form in forms[r % len(forms):] + forms[:r % len(forms)]:  # each round starts with the next form
-                swaps = FEWER_CALLS_FORMS[form]
-                for name, fn in current.items():
-                    setattr(kv_cache, name, swaps.get(name, fn))
-                t0 = time.perf_counter()
-                logits = step()
-                if r:
-                    times[form].append(time.perf_counter() - t0)
-                else:
-                    same[form] = bool(np.array_equal(logits, reference))
-    finally:
-        for name, fn in current.items():
-            setattr(kv_cache, name, fn)
-    return {form: {"seconds_per_step": float(np.median(t)), "same_logits": same[form]} for form, t in times.items()}
-
-
 def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
-    model = random_model("gpt2", seed=0)
+    model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapter 2's code
     threads = threads or _current_blas_threads()
     prompt_len = 16
     positions = [16, 32, 64, 128] if quick else [16, 64, 128, 256, 384, 512]
@@ -488,7 +416,6 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
                     "tokens_per_s": prefill_len / t_prefill, "seconds": t_prefill})
     profile = profile_decode_step(model, positions[-1] // 2)
     profile_in_step = profile_decode_in_step(model, positions[-1] // 2)
-    fewer_calls = fewer_calls_side_by_side(model, positions[-1] // 2, rounds=30 if quick else 150)
     by_kind = [gemv_chain_by_kind(model) for _ in range(3 if quick else 9)]  # bytes/s per round
     cache_effect = gemv_cache_effect(rounds=3 if quick else 7)  # the bound's GEMV read cold vs warm
     ratios = {
@@ -499,40 +426,26 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
         "kv_cache_fraction_of_gemv_chain": float(np.median([p.decode / p.chain for p in pairs])),
     }
     return {"benchmark": "kv-cache", "model": "random GPT-2 124M shape, float32", "quick": quick,
-            "results": results, "ratios": ratios, "profile_ms_per_step": profile,
-            "profile_in_step_ms_per_step": profile_in_step, "fewer_calls_side_by_side": fewer_calls,
+            "kernels": "cpu_kernels.accelerate", "results": results, "ratios": ratios, "profile_ms_per_step": profile,
+            "profile_in_step_ms_per_step": profile_in_step,
             "gemv_bytes_per_s_by_kind": by_kind, "gemv_cache_effect": cache_effect}
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Chapter 2, optimisation 3: the output projections' memory order, on whole steps
-
-
-def projections_in_order(model: GPT2Model, order: str) -> GPT2Model:
-    """A model sharing every array with ``model`` except the blocks' two output projections, which are in memory
-    ``order`` ("C": row-major, as the checkpoint stores them; "F": column-major, as the package keeps them; copied
-    only if not already so). Same shapes, same values."""
-    blocks = []
-    for b in model.params["h"]:
-        block = dict(b)
-        for module in ("attn", "mlp"):
-            block[module] = {**b[module], "c_proj": {**b[module]["c_proj"],
-                                                     "weight": np.asarray(b[module]["c_proj"]["weight"], order=order)}}
-        blocks.append(block)
-    return GPT2Model(model.config, {**model.params, "h": blocks}, model.tokenizer, model.source)
+# Appendix: the output projections' memory order, on whole steps
 
 
 def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Config = "gpt2") -> dict:
-    """Whole decode steps with the checkpoint's row-major output projections vs the package's column-major ones,
-    side by side (each round times both): chapter 2's ``decode_step`` at batch 1, chapter 3's ragged step without
-    tiles (``tiled=False``: the kernels that see the memory order) for larger batches; and chapter 2's ``prefill``
-    of prompts of several lengths, which runs chapter 1's ``x @ W``.
+    """Whole decode steps with the checkpoint's row-major output projections vs column-major ones (both through
+    ``cpu_kernels.accelerate``), side by side (each round times both): chapter 2's ``decode_step`` at batch 1,
+    chapter 3's ragged step without tiles (``tiled=False``: the kernels that see the memory order) for larger
+    batches; and chapter 2's ``prefill`` of prompts of several lengths.
     ``shape``: the model's preset or config (GPT-2 124M; tests pass a small one)."""
     from .bench_batching import decode_step_runner
 
     base = random_model(shape, seed=0)
-    models = {"row_major": projections_in_order(base, "C"),
-              "column_major_projections": projections_in_order(base, "F")}
+    models = {"row_major": accelerate(base, tiled=False, column_major=False),
+              "column_major_projections": accelerate(base, tiled=False, column_major=True)}
     rounds = 5 if quick else 15
 
     def side_by_side(runs: dict) -> dict:  # name -> function -> name -> [seconds per round]
@@ -554,7 +467,7 @@ def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Confi
     results, ratios = [], {}
     for batch in ([1, 4, 32] if quick else [1, 2, 4, 8, 16, 32]):
         times = side_by_side({name: batch_one(m) if batch == 1  # untiled: tiles are the same in either order
-                              else decode_step_runner(m, batch, context, tiled=False) for name, m in models.items()})
+                              else decode_step_runner(m, batch, context) for name, m in models.items()})
         for name, t in times.items():
             seconds = float(np.median(t))
             results.append({"method": name, "batch": batch, "context": context, "seconds_per_step": seconds,
@@ -592,7 +505,7 @@ def bench_paged(**kwargs) -> dict:  # chapter 4 (imported on use: it needs the c
     return run(**kwargs)
 
 
-def bench_padding(**kwargs) -> dict:  # chapter 3, rows in whole blocks of 8 (``model_runner.gemm_rows``)
+def bench_padding(**kwargs) -> dict:  # appendix: GEMM rows in whole blocks of 8 (``cpu_kernels.small_batch.gemm_rows``)
     from .bench_batching import bench_padding as run
 
     return run(**kwargs)

@@ -9,11 +9,10 @@ shaped random weights (float32; the time of a matmul does not depend on the numb
   before and after the two strategies above and reported as the mean of both runs (the machine drifts);
 * ``hf_transformers``: HF's batched ``generate`` with left padding, batched like ``static`` (if installed).
 
-Plus the machine's limits: ``gemm_bound`` = tokens/s if a decode step at batch B took only the time of its
+Every NumPy strategy runs on ``cpu_kernels.accelerate``'s kernels (the appendix). Plus the machine's limits: ``gemm_bound`` = tokens/s if a decode step at batch B took only the time of its
 matmuls, each timed alone on its shape with the kernel the step uses (``matmul_seconds``), beside the measured
 batched decode step (``decode_sweep``); ``tiled``, the decode step with the weights in tiles (what the package
-runs) against without, at 2-64 sequences (``tiled_speedup``); ``attention_threads``, the step with its attention
-on two threads against one (``attention_threads_speedup``); and ``small_batch_gemv``, the step without tiles
+runs) against without, at 2-64 sequences (``tiled_speedup``); and ``small_batch_gemv``, the step without tiles
 with one GEMV per row against one GEMM per matrix at 2-8 sequences (``small_batch_gemv_speedup``).
 """
 
@@ -28,7 +27,8 @@ from .engine import LLMEngine, RequestOutput, replay
 from .kv_cache import generate_stream
 from .kv_store import ContiguousKVStore
 from .measure import QUICK, blas_info, median_time
-from . import model_runner
+from .cpu_kernels import FastWeight, accelerate
+from .cpu_kernels.small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, gemm, gemm_rows, padded_gemm
 from .model_runner import Chunk, ragged_forward
 from .sequence import FinishReason, Request, SequenceMetrics
 from .static_batching import arrival_batches, replay_static
@@ -154,16 +154,15 @@ def sequential_intervals(outputs) -> list:
 
 def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False,
                    column_major: bool = False) -> float:
-    """Seconds of one float32 [m, k] x [k, n] product, run the way the ragged step runs it:
-    ``model_runner.batched_matmul``, from the weight's tiles for 2 to ``TILED_MAX_ROWS`` rows, else in
-    ``HEAD_BLOCK`` column blocks for the LM head (``head=True``), with the [k, n] weight column-major if the model
-    keeps it so (``column_major``)."""
+    """Seconds of one float32 [m, k] x [k, n] product, run the way the accelerated ragged step runs it (a
+    ``cpu_kernels.FastWeight``: from the weight's tiles for 2 to 64 rows, else in ``HEAD_BLOCK`` column blocks for
+    the LM head (``head=True``)), with the [k, n] weight column-major if the model keeps it so (``column_major``)."""
     rng = np.random.default_rng(0)
     A = rng.standard_normal((m, k), dtype=np.float32)
-    B = np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C")
-    block = model_runner.HEAD_BLOCK if head else None
-    tiles = model_runner.tile_weight(B) if model_runner.uses_tiles(m) else None
-    return median_time(lambda: model_runner.batched_matmul(A, B, block=block, tiles=tiles), repeats=repeats)
+    B = FastWeight(np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C"),
+                   block=HEAD_BLOCK if head else None)
+    B.tiles()  # made before the clock starts
+    return median_time(lambda: A @ B, repeats=repeats)
 
 
 def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> dict:
@@ -183,17 +182,16 @@ def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> d
             "lm_head_share": head / seconds}
 
 
-def decode_step_runner(model: GPT2Model, batch: int, context: int,
-                       gemv_max_rows: int = model_runner.GEMV_MAX_ROWS, tiled: bool = True):
+def decode_step_runner(model: GPT2Model, batch: int, context: int):
     """A function running one ragged step of ``batch`` decode chunks, each with ``context`` tokens cached (the cache
-    holds arbitrary numbers: timing does not depend on them); ``tiled``, ``gemv_max_rows``: ``ragged_forward``'s."""
+    holds arbitrary numbers: timing does not depend on them), on ``model``'s kernels."""
     store = ContiguousKVStore(model.config, num_slots=batch, max_len=context + 1)
     for i in range(batch):
         store.allocate(i, context + 1)
     store.k[:] = 0.01
     store.v[:] = 0.01
     chunks = [Chunk(i, np.array([i % model.config.vocab_size]), context) for i in range(batch)]
-    return lambda: ragged_forward(model, store, chunks, gemv_max_rows=gemv_max_rows, tiled=tiled)
+    return lambda: ragged_forward(model, store, chunks)
 
 
 def decode_beside_gemm_bound(model: GPT2Model, batch: int, context: int, pairs: int = 5,
@@ -215,13 +213,14 @@ def small_batch_gemv_speedup(model: GPT2Model, batches=(2, 3, 4, 5, 6, 8), conte
     path, the median of the per-round ratios GEMM time / GEMV time, and which path the untiled step takes."""
     records = []
     for b in batches:
-        times = interleaved({"gemm": decode_step_runner(model, b, context, gemv_max_rows=1, tiled=False),
-                             "gemv": decode_step_runner(model, b, context, gemv_max_rows=b, tiled=False)}, rounds)
+        times = interleaved({"gemm": decode_step_runner(accelerate(model, tiled=False, gemv_max_rows=1), b, context),
+                             "gemv": decode_step_runner(accelerate(model, tiled=False, gemv_max_rows=b), b, context)},
+                            rounds)
         ratios = [g / v for g, v in zip(times["gemm"], times["gemv"])]
         records.append({"batch": b, "context": context, "gemm_seconds_per_step": float(np.median(times["gemm"])),
                         "gemv_seconds_per_step": float(np.median(times["gemv"])),
                         "speedup": float(np.median(ratios)),
-                        "package_path": "gemv" if 1 < b <= model_runner.GEMV_MAX_ROWS else "gemm"})
+                        "package_path": "gemv" if 1 < b <= GEMV_MAX_ROWS else "gemm"})
     return records
 
 
@@ -233,41 +232,12 @@ def tiled_speedup(model: GPT2Model, batches=(2, 4, 8, 16, 32, 64), context: int 
     untiled time / tiled time."""
     records = []
     for b in batches:
-        times = interleaved({"untiled": decode_step_runner(model, b, context, tiled=False),
-                             "tiled": decode_step_runner(model, b, context, tiled=True)}, rounds)
+        times = interleaved({"untiled": decode_step_runner(accelerate(model, tiled=False), b, context),
+                             "tiled": decode_step_runner(accelerate(model, tiled=True), b, context)}, rounds)
         records.append({"batch": b, "context": context,
                         "untiled_seconds_per_step": float(np.median(times["untiled"])),
                         "tiled_seconds_per_step": float(np.median(times["tiled"])),
                         "speedup": float(np.median([u / t for u, t in zip(times["untiled"], times["tiled"])]))})
-    return records
-
-
-def attention_threads_speedup(model: GPT2Model, batches=(4, 8, 16, 32), contexts=(128, 400),
-                              rounds: int = 5) -> list[dict]:
-    """The ragged decode step with its attention on one thread against on two (``model_runner.in_two``, which the
-    package uses from ``ATTENTION_TWO_THREADS_FROM`` sequences), interleaved round by round, at each batch size
-    and context. -> one record per (batch, context): the median step of each, the median of the per-round ratios
-    one-thread time / two-thread time, and which the package uses at that size."""
-    records = []
-    for b in batches:
-        for context in contexts:
-            step = decode_step_runner(model, b, context)
-            threshold = model_runner.ATTENTION_TWO_THREADS_FROM
-
-            def on(threads: int):  # the step, with in_two's threshold set for 1 or 2 threads
-                def run():
-                    model_runner.ATTENTION_TWO_THREADS_FROM = 2 if threads == 2 else b + 1
-                    step()
-                return run
-            try:
-                times = interleaved({2: on(2), 1: on(1)}, rounds)
-            finally:
-                model_runner.ATTENTION_TWO_THREADS_FROM = threshold
-            records.append({"batch": b, "context": context,
-                            "one_thread_seconds_per_step": float(np.median(times[1])),
-                            "two_threads_seconds_per_step": float(np.median(times[2])),
-                            "speedup": float(np.median([o / t for o, t in zip(times[1], times[2])])),
-                            "package_threads": 2 if b >= threshold else 1})
     return records
 
 
@@ -276,7 +246,7 @@ def attention_threads_speedup(model: GPT2Model, batches=(4, 8, 16, 32), contexts
 
 
 def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> list[dict]:
-    """All the matrix-matrix products of one step at each row count, as ``batched_matmul``'s GEMM path runs them
+    """All the matrix-matrix products of one step at each row count, as ``FastWeight``'s GEMM path runs them
     (``gemm_rows``: padded with zero rows where that is faster) and unpadded, interleaved round by round.
     -> one record per row count: rows, rows BLAS gets, the median seconds of each, and the median of the rounds'
     ratios (unpadded time / padded time; where ``gemm_rows`` leaves the rows alone both run the same products,
@@ -286,7 +256,7 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> li
 
     def step(n: int, padded: bool):
         inputs = {k: rng.standard_normal((n, k), dtype=np.float32) for k in {w.shape[0] for w in weights}}
-        mm = (lambda a, w: model_runner.batched_matmul(a, w, gemv_max_rows=1)) if padded else model_runner._gemm
+        mm = padded_gemm if padded else gemm
 
         def run():
             for w in weights:
@@ -296,7 +266,7 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> li
     for n in rows:
         times = interleaved({"padded": step(n, True), "unpadded": step(n, False)}, rounds,  # one call a round
                             measure=lambda run, r: median_time(run, repeats=1, warmup=1 if r == 0 else 0))
-        records.append({"rows": n, "gemm_rows": model_runner.gemm_rows(n),
+        records.append({"rows": n, "gemm_rows": gemm_rows(n),
                         "unpadded_seconds": float(np.median(times["unpadded"])),
                         "padded_seconds": float(np.median(times["padded"])),
                         "speedup": float(np.median([u / q for u, q in zip(times["unpadded"], times["padded"])]))})
@@ -306,7 +276,7 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> li
 def bench_padding(quick: bool = QUICK) -> dict:
     """``gemm_row_padding`` on its own, with more rounds than the batching benchmark can spend on it: is padding
     5-7 leftover rows to a multiple of 8 faster, beyond the noise of the row counts it leaves alone?"""
-    model = random_model("gpt2", seed=0)
+    model = accelerate(random_model("gpt2", seed=0))
     records = gemm_row_padding(model, rows=range(12, 18) if quick else range(5, 34), rounds=3 if quick else 15)
     results = [{"method": method, "batch": r["rows"], "gemm_rows": r["gemm_rows"], "seconds": r[f"{method}_seconds"],
                 "tokens_per_s": r["rows"] / r[f"{method}_seconds"]}
@@ -327,7 +297,7 @@ def quick_workload(vocab_size: int = 50257, seed: int = 0):
 
 def warm_up(model: GPT2Model) -> None:
     """Serve two short requests with each NumPy strategy, untimed, before any clock starts. What is built on
-    first use (the LM head's contiguous copy, 154 MB for GPT-2 small; every weight in tiles, 495 MB; BLAS's threads
+    first use (every weight in tiles, 495 MB for GPT-2 small; BLAS's threads
     and buffers; the tiles' worker thread) is then ready
     before the first strategy is measured, which would otherwise pay for the others. (HF transformers warms up
     in ``replay_hf``, just before its own clock: torch is not loaded while NumPy is timed.)"""
@@ -348,7 +318,7 @@ def record(method: str, batch, summary: dict, utilisation: float | None, **extra
 
 def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int = 32,
                    sweep=None, context: int | None = None) -> dict:
-    model = random_model("gpt2", seed=0)
+    model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapters 2-3's code
     threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
     if trace is not None:
         requests = wl.load_trace(trace, model.config.vocab_size)
@@ -408,9 +378,6 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         results.append({"method": "gemm_bound", "batch": b, **bound})
     tiled = tiled_speedup(model, batches=(2, 8) if quick else (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
                           context=context, rounds=3 if quick else 7)
-    attention_threads = attention_threads_speedup(model, batches=(8,) if quick else (4, 8, 16, 32),
-                                                  contexts=(context,) if quick else (128, 400),
-                                                  rounds=2 if quick else 5)
     small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6, 8),
                                            context=context, rounds=3 if quick else 7)
     padding = gemm_row_padding(model, rows=(7, 8) if quick else range(5, 34), rounds=3 if quick else 9)
@@ -427,12 +394,11 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         "tiled_step_speedup_median": float(np.median([r["speedup"] for r in tiled])),
     }
     return {"benchmark": "batching", "model": "random GPT-2 124M shape, float32", "quick": quick,
-            "workload": {"name": name, "num_requests": len(requests),
+            "kernels": "cpu_kernels.accelerate", "workload": {"name": name, "num_requests": len(requests),
                          "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                          "max_new_tokens": sum(r.max_new_tokens for r in requests),
                          "last_arrival_s": max(r.arrival_s for r in requests)},
             "results": results, "ratios": ratios, "decode_sweep": decode_sweep, "tiled": tiled,
-            "attention_threads": attention_threads,
             "small_batch_gemv": small_batch,
             "gemm_row_padding": padding,
             "bandwidth_bound_tokens_per_s_batch_1": bw_bound, "gemv_bytes_per_s": bandwidth, "threads": threads}

@@ -31,6 +31,7 @@ from .kv_store import ContiguousKVStore, KVStore
 from .measure import QUICK
 from .paged_kv_store import PagedKVStore
 from .sequence import Request
+from .cpu_kernels import accelerate
 from .weights import GPT2Model, random_model
 from .workload import load_trace, standard_workload, summarize
 
@@ -127,7 +128,7 @@ def block_size_sweep(requests: list[Request], config: GPT2Config, budget_tokens:
 
 
 def bench_paged(quick: bool = QUICK, trace: str | None = None) -> dict:
-    model = random_model("gpt2", seed=0)
+    model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapters 3-4's code
     cfg = model.config
     if trace is not None:
         requests = load_trace(trace, cfg.vocab_size)

@@ -15,7 +15,7 @@ import numpy as np
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .generation import check_generation, positions_needed
-from .model import attention, embed, layer_norm, linear, merge_heads, mlp, split_qkv
+from .model import attention, embed, layer_norm, linear, lm_head, merge_heads, mlp, split_qkv
 from .sampling import Sampler, SamplingParams
 from .weights import GPT2Model
 
@@ -87,12 +87,6 @@ def cached_transformer(model: GPT2Model, token_ids, cache: KVCache) -> np.ndarra
     return x
 
 
-def lm_head_fast(model: GPT2Model, x) -> np.ndarray:  # x [T, E] -> logits [T, V]
-    """Chapter 1's ``lm_head`` with the tied matrix stored [E, V] contiguous (``model.lm_head_weight()``)."""
-    x = layer_norm(x, **model.params["ln_f"], eps=model.config.layer_norm_epsilon)  # [T, E]
-    return x @ model.lm_head_weight()  # [T, V]
-
-
 def prefill(model: GPT2Model, token_ids, capacity: int | None = None,
             last_only: bool = False) -> tuple[np.ndarray, KVCache]:
     """Process the whole prompt in one pass; return its logits ([T, V], or [1, V] if ``last_only``) and the cache.
@@ -103,13 +97,13 @@ def prefill(model: GPT2Model, token_ids, capacity: int | None = None,
     x = cached_transformer(model, token_ids, cache)  # [T, E]
     if last_only:
         x = x[-1:]  # generation only needs the next-token distribution
-    return lm_head_fast(model, x), cache
+    return lm_head(model.params, x, model.config.layer_norm_epsilon), cache
 
 
 def decode_step(model: GPT2Model, token: int, cache: KVCache) -> np.ndarray:
     """Feed one token; its K/V join the cache; return the logits of the next token [V]."""
     x = cached_transformer(model, [token], cache)  # [1, E]
-    return lm_head_fast(model, x)[0]  # [V]
+    return lm_head(model.params, x, model.config.layer_norm_epsilon)[0]  # [V]
 
 
 def generate_stream(model: GPT2Model, token_ids, max_new_tokens: int, temperature: float = 0.0,

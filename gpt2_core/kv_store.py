@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError, is_integer
-from .measure import available_memory_bytes
+from .memory import available_memory_bytes
 
 
 def claimed_zeros(shape, dtype, what: str) -> np.ndarray:
@@ -24,10 +24,9 @@ def claimed_zeros(shape, dtype, what: str) -> np.ndarray:
 
     ``np.zeros`` gets fresh pages from the operating system, which maps them only when they are first written:
     the model steps that first fill each slot of a store would stop for those page faults, in the middle of
-    serving (on this project's machine, the first 7 sequences in a fresh 1.2 GB store lost 0.6 s to them).
-    vLLM also allocates its whole KV cache up front; writing every byte here moves the cost to the store's
+    serving. vLLM also allocates its whole KV cache up front; writing every byte here moves the cost to the store's
     construction. The memory must then exist: a store larger than the memory available (when the system says
-    how much that is: ``measure.available_memory_bytes``) is refused with its size, ``what`` describing it.
+    how much that is: ``memory.available_memory_bytes``) is refused with its size, ``what`` describing it.
     """
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     available = available_memory_bytes()
@@ -43,10 +42,6 @@ class KVStore(ABC):
     """K/V storage for many sequences, addressed by ``seq_id``."""
 
     config: GPT2Config
-    # True if ``update`` may run for two different sequences at once, from two threads (then ``ragged_forward``
-    # shares a big batch's attention between two threads); a store that keeps state shared between sequences
-    # leaves it False, and so must a subclass whose ``update`` adds such state (it inherits its parent's True).
-    concurrent_updates: bool = False
 
     @abstractmethod
     def can_allocate(self, num_tokens: int) -> bool:
@@ -100,8 +95,6 @@ class ContiguousKVStore(KVStore):
     Simple and fast (a sequence's K/V are one contiguous slice), but a sequence that ends after 20 tokens still
     reserved ``max_len``: the waste chapter 4 measures and removes.
     """
-
-    concurrent_updates = True  # each sequence writes only its own slot, and gets views of it back
 
     def __init__(self, config: GPT2Config, num_slots: int, max_len: int | None = None, dtype=np.float32):
         max_len = config.n_positions if max_len is None else max_len

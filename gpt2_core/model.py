@@ -33,13 +33,9 @@ def softmax(x, axis=-1):
 
 
 def layer_norm(x, weight, bias, eps):  # x [T, E]; weight, bias [E]
-    """Each row scaled to mean 0 and variance 1, then by ``weight`` and shifted by ``bias``.
-
-    ``sum / E`` is what ``x.mean`` computes, to the bit; ``mean`` wraps the same two calls in Python code that,
-    on one row, costs more than the sum itself (chapter 2, optimisation 5)."""
-    E = np.float32(x.shape[-1])
-    centred = x - x.sum(axis=-1, keepdims=True) / E  # [T, E]
-    var = (centred * centred).sum(axis=-1, keepdims=True) / E  # [T, 1] (biased variance, as torch's LayerNorm)
+    """Each row scaled to mean 0 and variance 1, then by ``weight`` and shifted by ``bias``."""
+    centred = x - x.mean(axis=-1, keepdims=True)  # [T, E]
+    var = (centred * centred).mean(axis=-1, keepdims=True)  # [T, 1] (biased variance, as torch's LayerNorm)
     return weight * centred / np.sqrt(var + np.float32(eps)) + bias  # [T, E]
 
 
@@ -54,8 +50,8 @@ def split_heads(x, n_head):  # x [T, E] -> [H, T, D]
 
 def split_qkv(qkv, n_head):  # qkv [T, 3E] -> q, k, v [H, T, D] each
     """Q, K and V lie side by side in c_attn's output, each [T, E] made of H heads of D: one reshape and one
-    transpose split all three and their heads at once, as views of ``qkv``. The same as ``np.split`` into three
-    and ``split_heads`` on each, in two NumPy calls instead of seven (chapter 2, optimisation 5)."""
+    transpose split all three and their heads at once, as views of ``qkv`` (``np.split`` into three, then
+    ``split_heads`` on each, gives the same arrays)."""
     T, E3 = qkv.shape
     return qkv.reshape(T, 3, n_head, E3 // (3 * n_head)).transpose(1, 2, 0, 3)  # [3, H, T, D]
 
@@ -73,7 +69,7 @@ def attention(q, k, v):  # q [H, T, D]; k, v [H, S, D] with S >= T -> [H, T, D]
     """
     T, S, D = q.shape[1], k.shape[1], q.shape[2]
     scores = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(D))  # [H, T, S]
-    if T > 1:  # one query is the last position and sees every key: no mask to build (chapter 2, optimisation 5)
+    if T > 1:  # one query is the last position and sees every key: nothing to mask
         visible = np.arange(S)[None, :] <= np.arange(S - T, S)[:, None]  # [T, S] True where key j is not in the future
         scores = np.where(visible, scores, np.float32(-np.inf))  # [H, T, S]
     return softmax(scores) @ v  # [H, T, D]

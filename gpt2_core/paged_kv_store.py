@@ -12,8 +12,6 @@ The chapter 3 engine drives it through the same methods as ``ContiguousKVStore``
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from .block_manager import BlockManager, blocks_needed
@@ -32,12 +30,9 @@ def slot_indices(block_table, num_tokens: int, block_size: int) -> np.ndarray:
 class PagedKVStore(KVStore):
     """K/V of many sequences in ``num_blocks`` blocks of ``block_size`` tokens, shared by all sequences.
 
-    ``update`` returns the sequence's K/V gathered into a scratch buffer owned by the store, one per thread: the
-    arrays are valid until the next ``update`` call from the same thread (the model step uses them at once). Copy
-    them to keep them.
+    ``update`` returns the sequence's K/V gathered into a scratch buffer owned by the store: the arrays are valid
+    until the next ``update`` call (the model step uses them at once). Copy them to keep them.
     """
-
-    concurrent_updates = True  # a sequence writes only its own new slots; each thread gathers into its own buffer
 
     def __init__(self, config: GPT2Config, num_blocks: int, block_size: int = 16, dtype=np.float32):
         self.manager = BlockManager(num_blocks, block_size)  # checks both counts
@@ -48,7 +43,7 @@ class PagedKVStore(KVStore):
                                 f"a paged KV pool of {num_blocks} blocks x {block_size} tokens (lower num_blocks)")
         self.slots: dict[object, np.ndarray] = {}  # seq_id -> pool slot of each position it has room for
         self.written: dict[object, int] = {}  # seq_id -> positions written so far (0 .. written - 1)
-        self._scratch = threading.local()  # each thread's buffer for one gather (``_gather_buffer``)
+        self._scratch = None  # the buffer of one gather (``_gather_buffer``), made on first use
         self.max_len = config.n_positions
 
     @classmethod
@@ -116,13 +111,12 @@ class PagedKVStore(KVStore):
         return out[:, 0].transpose(1, 0, 2), out[:, 1].transpose(1, 0, 2)  # 2 x [H, S, D] (views)
 
     def _gather_buffer(self) -> np.ndarray:
-        """This thread's scratch for one gather, made on its first use: room for K and V of ``max_len`` tokens,
-        reused by every ``update`` (no allocation per call)."""
-        buffer = getattr(self._scratch, "out", None)
-        if buffer is None:
+        """The scratch for one gather, made on first use: room for K and V of ``max_len`` tokens, reused by every
+        ``update`` (no allocation per call)."""
+        if self._scratch is None:
             c = self.config
-            buffer = self._scratch.out = np.empty(self.max_len * 2 * c.n_head * c.head_dim, dtype=self.dtype)
-        return buffer
+            self._scratch = np.empty(self.max_len * 2 * c.n_head * c.head_dim, dtype=self.dtype)
+        return self._scratch
 
     def fork(self, parent, child) -> None:
         """``child`` starts as a copy of ``parent``'s tokens written so far, sharing their blocks; the first write

@@ -10,8 +10,8 @@ every decode step appends one column for all rows. Two small arrays make the pad
 The batch runs until its longest row is done: a row that finishes early keeps its slot (it is fed a pad token and
 its output is thrown away) until the batch ends. That waste is what continuous batching removes.
 
-The matmuls and GELU run on the continuous engine's kernels (``model_runner.linear_for_step``, with tiles for
-2-64 rows, ``batched_lm_head`` and ``gelu_``), so that comparing the two measures the scheduling, not the kernels.
+Every function but attention is chapter 1's, as in the continuous engine's step (``model_runner``), so that
+comparing the two measures the scheduling, not the kernels.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import numpy as np
 from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .generation import check_generation
 from .kv_store import claimed_zeros
-from .model import layer_norm, softmax
-from .model_runner import batched_lm_head, gelu_, linear_for_step
+from .model import layer_norm, linear, lm_head, mlp, softmax
 from .sampling import Sampler, sampling_params_of
 from .sequence import FinishReason, SequenceMetrics, check_arrivals
 from .weights import GPT2Model
@@ -71,10 +70,8 @@ class StaticBatchCache:
 
 
 # The attention scores of a prefill are [B, H, T, S]: for 27 prompts padded to 256 tokens, 85 MB per array, and
-# softmax makes several. Past 32 MiB (glibc's largest mmap threshold, which ``measure.keep_freed_memory`` sets), an
-# array comes fresh from the operating system every time, page fault by page fault (chapter 2, optimisation 4).
-# Computed a few rows at a time, the scores stay under this size and reuse freed memory; a decode step's
-# [B, H, 1, S] scores fit in one chunk.
+# softmax makes several. Computed a few rows at a time, the scores stay under this size and the memory of one
+# chunk is reused by the next; a decode step's [B, H, 1, S] scores fit in one chunk.
 SCORES_BYTES = 8 << 20
 
 
@@ -88,7 +85,6 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
     mask = left_padding_attention_mask(key_mask, T)  # [B, 1, T, S]
     rows = max(1, SCORES_BYTES // (H * T * end * cache.k.itemsize))  # batch rows per attention chunk
     x = (params["wte"][ids] + params["wpe"][positions]).reshape(B * T, cfg.n_embd)  # [B*T, E]: 2-D for BLAS
-    linear = linear_for_step(model, B * T)  # the ragged step's: a decode step of 2-64 rows uses tiles
     scale = np.float32(1 / np.sqrt(D))
     for layer, p in enumerate(params["h"]):
         qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [B*T, 3E]
@@ -103,11 +99,10 @@ def static_forward(model: GPT2Model, ids: np.ndarray, positions: np.ndarray, key
             np.matmul(softmax(scores), V[b], out=out[b])  # [b, H, T, D]
         out = out.transpose(0, 2, 1, 3).reshape(B * T, cfg.n_embd)  # [B*T, E]
         x += linear(out, **p["attn"]["c_proj"])  # [B*T, E] residual
-        h = gelu_(linear(layer_norm(x, **p["ln_2"], eps=eps), **p["mlp"]["c_fc"]))  # [B*T, 4E]
-        x += linear(h, **p["mlp"]["c_proj"])
+        x += mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [B*T, E]
     cache.length = end
     last = x.reshape(B, T, cfg.n_embd)[:, -1]  # [B, E]
-    return batched_lm_head(model, last)  # [B, V]
+    return lm_head(params, last, eps)  # [B, V]
 
 
 @dataclass
@@ -128,8 +123,7 @@ class StaticBatchOutput:
 def static_kv_buffer(config, batch_size: int, columns: int) -> np.ndarray:
     """K and V for static batches of up to ``batch_size`` rows and ``columns`` columns, [2, L, B, H, C, D] float32,
     taken once. A server keeps its KV memory for its whole life, as the continuous engine's store does; each batch
-    then works in a corner of it instead of asking the operating system for fresh memory (on this project's
-    machine, a process's first 850 MB took 7 s of page faults, the next 850 MB 0.1 s)."""
+    then works in a corner of it instead of asking the operating system for fresh memory at every batch."""
     shape = (2, config.n_layer, batch_size, config.n_head, columns, config.head_dim)
     return claimed_zeros(shape, np.float32, f"static batching's KV cache of {batch_size} rows x {columns} columns")
 

@@ -10,20 +10,13 @@ An HF GPT-2 directory holds ``config.json``, the weights (``model.safetensors``,
 Older files also carry ``transformer.`` key prefixes, or not, and ``attn.bias`` / ``attn.masked_bias`` buffers
 (the causal mask, not weights). ``params_from_state_dict`` accepts all of these, checks every tensor's shape
 against the config, and converts fp16/bf16 to float32, the dtype every chapter computes in.
-
-One layout choice is ours, not the file's: the two output projections (``attn.c_proj``, ``mlp.c_proj``) are kept
-*column-major* in memory. Same [in, out] shape, same values, ``x @ W`` unchanged; only the order of the numbers in
-memory differs, and with it the speed of BLAS (measured in chapter 2, optimisation 3). Decoding gains; chapter 1's
-``linear`` still computes ``x @ W`` for a prompt of many rows, which on these two matrices is the slower GEMM
-form: a whole prefill ran at 0.87-0.97x for 16 tokens and about even at 512 (chapter 3's ``batched_matmul``
-uses the fast form).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +30,6 @@ EMBEDDED_MODEL_DIR = DATA_DIR / "embedded"
 GPT2_TOKENIZER_FILE = DATA_DIR / "gpt2_tokenizer" / "tokenizer.json"
 
 FLOAT_DTYPES = (np.float32, np.float16)  # bf16 arrives already widened to float32 by the readers
-COLUMN_MAJOR = (".attn.c_proj.weight", ".mlp.c_proj.weight")  # kept column-major (see the module docstring)
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in older checkpoints
 
 
@@ -49,37 +41,6 @@ class GPT2Model:
     params: dict
     tokenizer: Tokenizer | None = None
     source: str = ""
-    _head: tuple = field(default=(None, None), repr=False, compare=False)
-    _tiles: dict = field(default_factory=dict, repr=False, compare=False)  # chapter 3's tiled copies, by id
-
-    def lm_head_weight(self) -> np.ndarray:
-        """The tied LM head as its own contiguous [E, V] array, made on first use (chapter 2's speed-up).
-
-        ``x @ wte.T`` reads wte [V, E] through a transposed view; BLAS streams a row-major [in, out] matrix for a
-        matrix-vector product markedly faster (measured in chapter 2). The copy costs V x E x 4 bytes. It is
-        rebuilt if ``params["wte"]`` is replaced; after editing wte *in place*, call ``model.refresh()``.
-        """
-        wte = self.params["wte"]
-        if self._head[0] is not wte:
-            self._head = (wte, np.ascontiguousarray(wte.T))
-        return self._head[1]
-
-    def tiles(self, weight: np.ndarray, make) -> np.ndarray:
-        """``make(weight)``, made on first use and kept with the model (chapter 3's ``model_runner.tiles_for``:
-        every weight of the step in tiles of columns). Rebuilt if a weight array is replaced (the old array's tiles
-        are dropped then); after editing a weight *in place*, call ``model.refresh()``."""
-        kept = self._tiles.get(id(weight))
-        if kept is None or kept[0] is not weight:
-            live = {id(a) for a in self.state_dict().values()} | {id(self._head[1]), id(weight)}
-            for key in [key for key, (w, _) in self._tiles.items() if id(w) not in live]:
-                del self._tiles[key]  # the tiles of a weight that was replaced: freed with it
-            kept = self._tiles[id(weight)] = (weight, make(weight))
-        return kept[1]
-
-    def refresh(self) -> None:
-        """Forget derived copies of the weights (call after editing a weight in place)."""
-        self._head = (None, None)
-        self._tiles.clear()
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """``token_ids`` as an int64 array [T], or an ``InvalidInputError`` naming what is wrong."""
@@ -133,21 +94,6 @@ def expected_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     shapes["ln_f.weight"] = (E,)
     shapes["ln_f.bias"] = (E,)
     return shapes
-
-
-def in_memory_order(key: str, a: np.ndarray) -> np.ndarray:
-    """``a`` as float32 in the memory order the package computes with: column-major for the output projections,
-    row-major for everything else (a copy only where ``a`` is not already so).
-
-    For one token, ``x @ W`` is a matrix-vector product. With ``mlp.c_proj`` [3072, 768] row-major, each of BLAS's
-    two threads reads a short piece of every row (384 floats, then a jump); column-major, each reads one contiguous
-    block: a whole batch-1 decode step ran 1.01-1.18x as fast on this project's machine (``bench layout``, three
-    runs). For many rows, ``model_runner.batched_matmul`` hands such a weight to BLAS as ``(W.T @ x.T).T``, the
-    form its matrix-matrix kernels run fastest.
-    """
-    if key.endswith(COLUMN_MAJOR):
-        return np.asfortranarray(a, dtype=np.float32)
-    return np.ascontiguousarray(a, dtype=np.float32)
 
 
 def _nest(flat: dict[str, np.ndarray], n_layer: int) -> dict:
@@ -219,7 +165,7 @@ def params_from_state_dict(state_dict: dict[str, np.ndarray], config: GPT2Config
         if a.shape != shape:
             raise CheckpointError(f"{source}: tensor {key!r} has shape {list(a.shape)}, expected {list(shape)} "
                                   f"from config.json")
-        flat[key] = in_memory_order(key, a)
+        flat[key] = np.ascontiguousarray(a, dtype=np.float32)
         if not np.isfinite(flat[key]).all():
             raise CheckpointError(f"{source}: tensor {key!r} contains NaN or infinity")
     if lm_head is not None:
@@ -353,7 +299,7 @@ def random_model(name_or_config: str | GPT2Config = "gpt2", seed: int = 0) -> GP
         elif ".ln_" in key or key.startswith("ln_"):
             flat[key] = np.ones(shape, dtype=np.float32)
         else:
-            flat[key] = in_memory_order(key, rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
+            flat[key] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
     name = name_or_config if isinstance(name_or_config, str) else "custom config"
     return GPT2Model(config, _nest(flat, config.n_layer), _gpt2_tokenizer_if_fits(config), source=f"random({name})")
 

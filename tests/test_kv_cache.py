@@ -106,19 +106,19 @@ def test_generate_validates_like_chapter_1():
 
 
 def test_the_layouts_bench_layout_compares_compute_the_same_logits():
-    """``bench layout`` compares whole steps with the checkpoint's row-major output projections and the package's
-    column-major ones: copies with the same values that leave the model itself, and every other array, untouched."""
-    from gpt2_core.bench import projections_in_order
+    """``bench layout`` compares whole steps with the checkpoint's row-major output projections and column-major
+    ones: accelerated copies with the same values that leave the model itself untouched."""
+    from gpt2_core.cpu_kernels import accelerate, array_of
 
     model = tiny_model()
-    row, col = projections_in_order(model, "C"), projections_in_order(model, "F")
+    row = accelerate(model, tiled=False, column_major=False)
+    col = accelerate(model, tiled=False, column_major=True)
     for b, r, c in zip(model.params["h"], row.params["h"], col.params["h"]):
         for module in ("attn", "mlp"):
-            assert r[module]["c_proj"]["weight"].flags.c_contiguous, module
-            assert np.isfortran(c[module]["c_proj"]["weight"]), module
-            assert np.isfortran(b[module]["c_proj"]["weight"]), module  # the original keeps its layout
-            np.testing.assert_array_equal(r[module]["c_proj"]["weight"], b[module]["c_proj"]["weight"])
-        assert r["attn"]["c_attn"]["weight"] is b["attn"]["c_attn"]["weight"]
+            assert array_of(r[module]["c_proj"]["weight"]).flags.c_contiguous, module
+            assert np.isfortran(array_of(c[module]["c_proj"]["weight"])), module
+            assert b[module]["c_proj"]["weight"].flags.c_contiguous, module  # the original keeps its layout
+            np.testing.assert_array_equal(array_of(c[module]["c_proj"]["weight"]), b[module]["c_proj"]["weight"])
     ids = [1, 2, 3, 4, 5]
     np.testing.assert_allclose(gpt2_core.forward(row, ids), gpt2_core.forward(model, ids), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gpt2_core.forward(col, ids), gpt2_core.forward(model, ids), rtol=1e-5, atol=1e-5)
@@ -145,16 +145,17 @@ def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
     """The chain is the step's matrix products alone: its weights are all of a step's weight bytes but the biases
     and layer-norm vectors, each matrix once, each in the memory order the step reads it."""
     from gpt2_core.bench import decode_gemvs, gemv_chain_seconds, weight_bytes_per_token
+    from gpt2_core.cpu_kernels import accelerate, array_of
 
-    model = tiny_model()
+    model = accelerate(tiny_model())  # the benchmarks' model
     gemvs = decode_gemvs(model)
     c = model.config
     assert len(gemvs) == 4 * c.n_layer + 1 and len({id(w) for _, w in gemvs}) == len(gemvs)
     vectors = sum(a.nbytes for a in model.state_dict().values() if a.ndim == 1)
     assert sum(w.nbytes for _, w in gemvs) == weight_bytes_per_token(model) - vectors
     first = model.params["h"][0]
-    assert gemvs[1][1] is first["attn"]["c_proj"]["weight"] and np.isfortran(gemvs[3][1])  # the package's order
-    assert gemvs[-1][1] is model.lm_head_weight()
+    assert gemvs[1][1] is array_of(first["attn"]["c_proj"]["weight"]) and np.isfortran(gemvs[3][1])  # its order
+    assert gemvs[-1][1] is model.params["wte"].T.array
     assert all(v.shape == (1, w.shape[0]) for v, w in gemvs)
     assert gemv_chain_seconds(model, repeats=1) > 0
 
@@ -171,15 +172,15 @@ def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monk
                              "attention over the cache", "layer norms + GELU", "lm head (E x V)", "everything else"]
     assert all(ms > 0 for ms in profile.values()), profile  # every part ran and was timed
     assert kv.linear is model_module.linear and kv.attention is model_module.attention
-    assert kv.layer_norm is model_module.layer_norm and kv.lm_head_fast.__name__ == "lm_head_fast"
+    assert kv.layer_norm is model_module.layer_norm and kv.lm_head is model_module.lm_head
 
-    # each part's time excludes the timed parts it calls: the head calls a layer norm, made 5 ms slower here
+    # each part's time excludes the timed parts it calls: the blocks' layer norms made 5 ms slower here
     def slow_layer_norm(*args, **kwargs):
         time.sleep(0.005)
         return model_module.layer_norm(*args, **kwargs)
     monkeypatch.setattr(kv, "layer_norm", slow_layer_norm)
     profile = bench.profile_decode_in_step(m, position=20, steps=3)
-    assert profile["layer norms + GELU"] >= 5 * (2 * config.n_layer + 1)  # ms: 2 per block, and the head's
+    assert profile["layer norms + GELU"] >= 5 * 2 * config.n_layer  # ms: 2 per block
     assert profile["lm head (E x V)"] < 2 and profile["everything else"] < 2, profile  # none of it counted twice
 
     def broken(*args):
@@ -268,46 +269,3 @@ def test_gemv_cache_effect_alternates_cold_and_warm_and_reports_their_medians(mo
     assert effect["warm_over_cold"] == pytest.approx(15.0 / 14.0)
     with pytest.raises(ValueError, match="gemv_cache_effect: rounds must be an integer"):
         bench.gemv_cache_effect(rounds=0)
-
-
-def test_fewer_calls_side_by_side_times_every_form_checks_its_logits_and_puts_chapter_1_back(monkeypatch):
-    from gpt2_core import GPT2Config, bench, model as model_module, random_model
-
-    config = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_head=2, n_layer=2)
-    m = random_model(config, seed=0)
-    result = bench.fewer_calls_side_by_side(m, position=20, rounds=3)
-    assert list(result) == list(bench.FEWER_CALLS_FORMS)  # before, then each change added in turn
-    assert all(r["seconds_per_step"] > 0 and r["same_logits"] is True for r in result.values()), result
-    assert kv.attention is model_module.attention and kv.layer_norm is model_module.layer_norm
-    assert kv.cached_self_attention.__name__ == "cached_self_attention"
-
-    # the earlier forms compute chapter 1's numbers, bit for bit, for any number of rows and queries
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((5, 32), dtype=np.float32)
-    w, b = rng.standard_normal((2, 32), dtype=np.float32)
-    np.testing.assert_array_equal(bench._layer_norm_by_mean(x, w, b, 1e-5), model_module.layer_norm(x, w, b, 1e-5))
-    q, k, v = rng.standard_normal((3, 2, 4, 8), dtype=np.float32)
-    for T in (1, 4):
-        np.testing.assert_array_equal(bench._attention_always_masked(q[:, -T:], k, v),
-                                      model_module.attention(q[:, -T:], k, v))
-
-    # the logit check is real: with a layer norm that differs, the forms that swap in the old one are told apart
-    monkeypatch.setattr(kv, "layer_norm", lambda x, weight, bias, eps: model_module.layer_norm(x, weight, bias, 1e-2))
-    result = bench.fewer_calls_side_by_side(m, position=20, rounds=1)
-    assert [r["same_logits"] for r in result.values()] == [False, False, False, True]
-
-    calls, decode_step = [], kv.decode_step
-
-    def fails_after_the_first(*args):  # the reference step works; a step with a form swapped in fails
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError("a step that fails")
-        return decode_step(*args)
-    monkeypatch.setattr(kv, "decode_step", fails_after_the_first)
-    with pytest.raises(RuntimeError, match="a step that fails"):
-        bench.fewer_calls_side_by_side(m, position=20, rounds=1)
-    assert len(calls) == 2  # it failed inside the measurement, with the "before" forms swapped in
-    assert kv.attention is model_module.attention and kv.cached_self_attention.__name__ == "cached_self_attention"
-    for bad in ({"position": 0}, {"position": 64}, {"rounds": 0}, {"rounds": 2.0}):
-        with pytest.raises(ValueError, match=f"fewer_calls_side_by_side: {next(iter(bad))} must be"):
-            bench.fewer_calls_side_by_side(m, **{"position": 20, "rounds": 3, **bad})
