@@ -46,7 +46,7 @@ def _engine(name: str):
 
 
 def _bench(args) -> int:
-    from .bench import run_benchmark
+    from .bench.registry import run_benchmark
     from .cpu_kernels import keep_freed_memory
 
     keep_freed_memory()  # this process only: every strategy timed with the same allocator (chapter 2, optimisation 4)

@@ -16,7 +16,6 @@ the others are not disturbed.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from .kv_store import ContiguousKVStore, KVStore
 from .model_runner import Chunk, ragged_forward
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler, check_limits
-from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus, check_arrivals
+from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus
 from .weights import GPT2Model
 
 
@@ -320,40 +319,3 @@ class LLMEngine:
 
     def outputs(self) -> list[RequestOutput]:
         return [RequestOutput.from_sequence(s) for s in self.sequences.values()]
-
-
-def replay(engine: LLMEngine, requests: Iterable[Request], clock: str = "wall",
-           time_scale: float = 1.0) -> list[RequestOutput]:
-    """Feed ``requests`` to ``engine`` as they arrive and run until all finish; results in arrival order.
-
-    ``clock="wall"``: a request is added once ``time.perf_counter()`` has passed its ``arrival_s * time_scale``
-    (the engine idles by sleeping when nothing is running); its metrics count from that arrival time.
-    ``clock="steps"``: ``arrival_s`` is read as a step number — deterministic, for tests.
-    """
-    if clock not in ("wall", "steps"):
-        raise InvalidInputError(f"clock must be 'wall' or 'steps', got {clock!r}")
-    if not is_real(time_scale) or time_scale < 0:
-        raise InvalidInputError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
-    requests = list(requests)
-    engine._check_new(requests)
-    check_arrivals(requests)
-    for r in requests:
-        if not is_real(r.arrival_s * time_scale):
-            raise InvalidInputError(f"request {r.request_id!r}: arrival_s x time_scale = {r.arrival_s * time_scale!r}, "
-                                    f"past any clock")
-    queue = sorted(requests, key=lambda r: r.arrival_s)
-    ids, i, t0, tick = [], 0, engine.clock(), 0
-    while i < len(queue) or engine.has_unfinished():
-        now = tick if clock == "steps" else engine.clock() - t0
-        while i < len(queue) and queue[i].arrival_s * time_scale <= now:
-            arrival = None if clock == "steps" else t0 + queue[i].arrival_s * time_scale
-            ids.append(engine.add_request(queue[i], arrival_time=arrival))
-            i += 1
-        if engine.has_unfinished():
-            engine.step()
-        elif i < len(queue) and clock == "wall":  # idle until the next arrival
-            time.sleep(max(0.0, t0 + queue[i].arrival_s * time_scale - engine.clock()))
-        elif i < len(queue):  # on the step clock, skip the idle steps at once
-            tick = max(tick, math.ceil(queue[i].arrival_s * time_scale) - 1)
-        tick += 1
-    return [RequestOutput.from_sequence(engine.sequences[j]) for j in ids]

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InvalidInputError, is_real
 from .sampling import Sampler, SamplingParams
 
 
@@ -44,17 +43,6 @@ class Request:
     stop_at_eos: bool = True  # stop after the model's eos token (chapter 1's ``stop_at_eos``)
     arrival_s: float = 0.0  # when it arrives, seconds after the start of a workload (used by replay drivers)
     logits_processor: Callable | None = None  # optional (token_ids, logits [V]) -> logits [V], user code
-
-
-def check_arrivals(requests) -> None:
-    """Every request's ``arrival_s`` a finite number >= 0, or an ``InvalidInputError`` naming the first that is not.
-    The replays (``engine.replay``, ``static_batching.replay_static``) refuse the whole call: they cannot place a
-    request in time without it."""
-    for r in requests:
-        a = getattr(r, "arrival_s", None)
-        if not is_real(a) or a < 0:
-            raise InvalidInputError(f"request {getattr(r, 'request_id', '?')!r}: arrival_s must be a finite number "
-                                    f">= 0, got {a!r}")
 
 
 @dataclass

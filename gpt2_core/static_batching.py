@@ -26,7 +26,7 @@ from .generation import check_generation
 from .kv_store import claimed_zeros
 from .model import layer_norm, linear, lm_head, mlp, softmax
 from .sampling import Sampler, sampling_params_of
-from .sequence import FinishReason, SequenceMetrics, check_arrivals
+from .sequence import FinishReason
 from .weights import GPT2Model
 
 
@@ -207,72 +207,6 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
                                 key_mask, cache)
         next_pos = next_pos + 1
     return out
-
-
-def arrival_batches(requests, batch_size: int, clock: str = "wall", t0: float | None = None):
-    """Yield static batches: wait for the next arrival, then take up to ``batch_size`` requests that have arrived.
-
-    ``clock="wall"`` honours ``arrival_s`` (sleeping until it), counted from ``t0`` (default: now);
-    ``clock="offline"`` treats all as arrived at once.
-    """
-    queue = sorted(requests, key=lambda r: r.arrival_s)
-    t0, i = time.perf_counter() if t0 is None else t0, 0
-    while i < len(queue):
-        now = time.perf_counter() - t0 if clock == "wall" else float("inf")  # "offline": all arrived
-        if queue[i].arrival_s > now:
-            time.sleep(queue[i].arrival_s - now)
-            now = queue[i].arrival_s
-        batch = []
-        while i < len(queue) and len(batch) < batch_size and queue[i].arrival_s <= now:
-            batch.append(queue[i])
-            i += 1
-        yield batch
-
-
-def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str = "wall", pad_id: int = 0):
-    """Serve ``requests`` (``sequence.Request``) with static batches: take up to ``batch_size`` arrived requests,
-    run the batch to its end, repeat. Returns (RequestOutput list in arrival order, list of batch records). The KV
-    memory for the largest possible batch is taken once, before the clock starts, as the engine takes its store.
-
-    ``clock="wall"`` honours ``arrival_s``; ``clock="offline"`` treats every request as arrived at the start.
-    """
-    from .engine import RequestOutput
-
-    if clock not in ("wall", "offline"):
-        raise InvalidInputError(f"clock must be 'wall' or 'offline', got {clock!r}")
-    if not is_integer(batch_size, 1):
-        raise InvalidInputError(f"batch_size must be a positive integer, got {batch_size!r}")
-    requests = list(requests)
-    check_arrivals(requests)  # as the engine's replay: a time that is not one refuses the whole call
-    requests.sort(key=lambda r: r.arrival_s)
-    errors = {id(r): e for r in requests if (e := _check_request(model, r)) is not None}  # each fails alone
-    valid = [r for r in requests if id(r) not in errors]
-    kv_buffer = None
-    if valid:
-        columns = max(len(r.prompt_token_ids) for r in valid) + max(r.max_new_tokens for r in valid)
-        kv_buffer = static_kv_buffer(model.config, min(batch_size, len(valid)), columns)  # before the clock starts
-    t0, results, batches = time.perf_counter(), {}, []
-    for r in requests:
-        if id(r) in errors:
-            m = SequenceMetrics(arrival_time=t0 + r.arrival_s, token_times=[], finished_time=t0 + r.arrival_s)
-            prompt = list(r.prompt_token_ids) if isinstance(r.prompt_token_ids, (list, tuple, np.ndarray)) else []
-            results[id(r)] = RequestOutput(r.request_id, prompt, [], FinishReason.ERROR,
-                                           f"request {r.request_id!r}: {errors[id(r)]}", m)
-    for batch in arrival_batches(valid, batch_size, clock, t0):
-        start = time.perf_counter()
-        out = static_generate(model, [r.prompt_token_ids for r in batch], [r.max_new_tokens for r in batch],
-                              [r.sampling_params for r in batch], stop_at_eos=[r.stop_at_eos for r in batch],
-                              stop_token_ids=[r.stop_token_id for r in batch], pad_id=pad_id, kv_buffer=kv_buffer)
-        batches.append({"start_time": start, "step_times": out.step_times, "active_rows": out.active_rows,
-                        "batch_size": len(batch), "padded_prompt_len": out.padded_prompt_len,
-                        "request_ids": [r.request_id for r in batch]})
-        for row, r in enumerate(batch):
-            n = len(out.output_token_ids[row])
-            m = SequenceMetrics(arrival_time=t0 + r.arrival_s, first_scheduled_time=start,
-                                token_times=out.step_times[:n], finished_time=out.step_times[n - 1] if n else start)
-            results[id(r)] = RequestOutput(r.request_id, list(r.prompt_token_ids), out.output_token_ids[row],
-                                           out.finish_reasons[row], None, m)
-    return [results[id(r)] for r in requests], batches
 
 
 def _check_request(model: GPT2Model, r) -> str | None:

@@ -15,11 +15,12 @@ from helpers import TINY, tiny_model
 from gpt2_core import kv_cache
 from gpt2_core.block_manager import BlockAllocator, BlockManager
 from gpt2_core.config import GPT2Config
-from gpt2_core.engine import LLMEngine, replay
+from gpt2_core.bench.replay import replay
+from gpt2_core.engine import LLMEngine
 from gpt2_core.errors import CheckpointError, InvalidInputError, is_integer, is_real
 from gpt2_core.generation import check_generation
 from gpt2_core.kv_store import ContiguousKVStore
-from gpt2_core.measure import median_time
+from gpt2_core.bench.common import median_time
 from gpt2_core.paged_kv_store import PagedKVStore
 from gpt2_core.sampling import SamplingParams
 from gpt2_core.scheduler import Scheduler

@@ -10,9 +10,10 @@ from helpers import TINY, config_json, tiny_model
 
 import gpt2_core
 from gpt2_core import kv_cache, model_runner
-from gpt2_core import workload as wl
+from gpt2_core.bench import workload as wl
 from gpt2_core.config import GPT2Config
-from gpt2_core.engine import LLMEngine, replay
+from gpt2_core.bench.replay import replay
+from gpt2_core.engine import LLMEngine
 from gpt2_core.errors import CheckpointError, InvalidInputError
 from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core.paged_kv_store import PagedKVStore

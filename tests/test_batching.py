@@ -10,14 +10,15 @@ from helpers import TINY, reference_dirs, tiny_model
 
 import gpt2_core
 from gpt2_core import kv_cache
-from gpt2_core.engine import LLMEngine, replay
+from gpt2_core.bench.replay import replay
+from gpt2_core.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
 from gpt2_core.kv_store import ContiguousKVStore
 from gpt2_core.model_runner import Chunk, ragged_forward
 from gpt2_core.sampling import SamplingParams
 from gpt2_core.sequence import FinishReason, Request
 from gpt2_core.static_batching import left_pad, left_padding_attention_mask, position_ids, static_generate
-from gpt2_core import workload as wl
+from gpt2_core.bench import workload as wl
 
 MODEL = tiny_model()
 
@@ -312,6 +313,7 @@ def test_static_attention_in_chunks_of_one_row_gives_the_same_tokens(monkeypatch
 
 def test_replay_static_takes_its_kv_memory_once_before_its_clock(monkeypatch):
     from gpt2_core import static_batching
+    from gpt2_core.bench.replay import replay_static
 
     taken = []
     real = static_batching.claimed_zeros
@@ -321,14 +323,14 @@ def test_replay_static_takes_its_kv_memory_once_before_its_clock(monkeypatch):
         return real(shape, *args)
     monkeypatch.setattr(static_batching, "claimed_zeros", spy)
     requests = random_requests(MODEL, 6, seed=10)
-    outs, batches = static_batching.replay_static(MODEL, iter(requests), batch_size=4, clock="offline")
+    outs, batches = replay_static(MODEL, iter(requests), batch_size=4, clock="offline")
     assert [b["batch_size"] for b in batches] == [4, 2] and len(taken) == 1  # one buffer for both batches
     (shape, when), = taken
     columns = max(len(r.prompt_token_ids) for r in requests) + max(r.max_new_tokens for r in requests)
     assert shape[2] == 4 and shape[4] == columns and when < batches[0]["start_time"]
     for o, r in zip(outs, requests):
         assert o.output_token_ids == alone(MODEL, r)
-    assert static_batching.replay_static(MODEL, [], batch_size=4) == ([], [])
+    assert replay_static(MODEL, [], batch_size=4) == ([], [])
 
 
 def test_static_batching_seeded_sampling_matches_chapter_2():
@@ -387,8 +389,8 @@ def test_committed_trace_is_the_standard_workload():
 
 
 def test_benchmark_strategies_agree_and_utilisation_is_a_fraction():
-    from gpt2_core import bench_batching as bb
-    from gpt2_core.static_batching import replay_static
+    from gpt2_core.bench import batching as bb
+    from gpt2_core.bench.replay import replay_static
 
     requests = random_requests(MODEL, 6, seed=10)
     seq = bb.replay_sequential(MODEL, requests, clock="offline")
@@ -405,7 +407,7 @@ def test_benchmark_strategies_agree_and_utilisation_is_a_fraction():
 
 
 def test_decode_step_and_its_gemm_bound_are_measured_side_by_side():
-    from gpt2_core import bench_batching as bb
+    from gpt2_core.bench import batching as bb
 
     pairs = bb.decode_beside_gemm_bound(MODEL, batch=3, context=8, pairs=2, steps=1)
     assert len(pairs) == 2
@@ -428,7 +430,7 @@ def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
     """The quick benchmark end to end (GPT-2 124M shape, 8 short requests): every strategy, the continuous
     figure as the mean of its two bracketing runs, the ratios computed from the records, the small-batch
     comparison. HF transformers is left out (it is an optional reference)."""
-    from gpt2_core import bench_batching as bb
+    from gpt2_core.bench import batching as bb
 
     monkeypatch.setattr(bb, "replay_hf", lambda *a, **k: None)
     order = record_calls(monkeypatch, bb, ("warm_up", "run_continuous", "replay_sequential"))
@@ -457,7 +459,7 @@ def test_batching_benchmark_record_shape_and_continuous_bracketing(monkeypatch):
 def test_bench_padding_reports_both_arms_and_the_two_medians():
     """``python -m gpt2_core bench padding``: a record per arm and row count, and the median speed-up over the row
     counts it pads beside the one over those it leaves alone (their noise)."""
-    from gpt2_core.bench_batching import bench_padding
+    from gpt2_core.bench.batching import bench_padding
 
     out = bench_padding(quick=True)
     assert [(r["method"], r["batch"]) for r in out["results"]] == [(m, n) for n in range(12, 18)
@@ -500,7 +502,7 @@ def test_replay_refuses_arrival_times_that_are_not_finite_non_negative_numbers()
 
 
 def test_static_batching_keeps_each_requests_stop_settings_and_fails_bad_requests_alone():
-    from gpt2_core.static_batching import replay_static
+    from gpt2_core.bench.replay import replay_static
 
     prompts = [[1, 2, 3], [4, 5], [6]]
     free_run = kv_cache.generate(MODEL, prompts[0], 8, stop_at_eos=False)
@@ -629,7 +631,7 @@ def test_stores_refuse_a_negative_position_before_writing():
 
 
 def test_replay_static_fails_each_malformed_request_alone():
-    from gpt2_core.static_batching import replay_static
+    from gpt2_core.bench.replay import replay_static
 
     ok = Request("ok", [5, 6], 3, stop_at_eos=False)
     bad = [Request("eos", [1], 3, stop_at_eos=1), Request("int prompt", 5, 3),

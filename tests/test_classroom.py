@@ -13,7 +13,7 @@ Once per test session: a course directory is made in a temporary directory, ever
 
 Then the learner's self-check (``pytest --nbval-lax``, no nbgrader) runs on each chapter's ``one_solved`` version.
 Grading executes whole notebooks; nbgrader sets ``NBGRADER_EXECUTION`` in the kernel, and with it
-``gpt2_core.measure.GRADING`` times each benchmark cell once, on a 2-layer model of GPT-2's width. Needs nbgrader
+``gpt2_core.bench.common.GRADING`` times each benchmark cell once, on a 2-layer model of GPT-2's width. Needs nbgrader
 (in the ``test`` and ``classroom`` extras).
 """
 

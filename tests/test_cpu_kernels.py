@@ -221,7 +221,7 @@ def test_decode_steps_of_every_batch_size_match_chapter_2(name, model, monkeypat
 
 
 def test_gemm_row_padding_times_the_padded_and_the_unpadded_products(monkeypatch):
-    from gpt2_core import bench_batching as bb
+    from gpt2_core.bench import batching as bb
 
     rows = []
     gemm = small_batch.gemm
@@ -239,7 +239,7 @@ def test_gemm_row_padding_times_the_padded_and_the_unpadded_products(monkeypatch
 def test_small_batch_comparison_runs_both_paths(monkeypatch):
     """The GEMM arm multiplies the head with one GEMM (``gemv_max_rows=1``), the GEMV arm one GEMV per row; both
     without tiles."""
-    from gpt2_core import bench_batching as bb
+    from gpt2_core.bench import batching as bb
 
     calls = []
     real = small_batch.small_batch_matmul
@@ -260,7 +260,7 @@ def test_small_batch_comparison_runs_both_paths(monkeypatch):
 
 
 def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
-    from gpt2_core import bench_batching as bb
+    from gpt2_core.bench import batching as bb
 
     timed = []  # (rows, column block, weight column-major?, tiled?) of each product the bound times
     real = FastWeight.__rmatmul__
@@ -283,7 +283,7 @@ def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
 
 
 def test_warm_up_serves_every_numpy_strategy_and_builds_the_tiles(monkeypatch):
-    from gpt2_core import bench_batching as bb
+    from gpt2_core.bench import batching as bb
     from test_batching import record_calls
 
     fast = accelerate(tiny_model())

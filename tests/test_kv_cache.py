@@ -127,7 +127,7 @@ def test_the_layouts_bench_layout_compares_compute_the_same_logits():
 def test_bench_layout_times_decode_steps_and_prefills_both_ways():
     """Each record names its layout; decode steps per batch size, prefills per prompt length, and one ratio each."""
     from gpt2_core import GPT2Config
-    from gpt2_core.bench import bench_layout
+    from gpt2_core.bench.layout import bench_layout
 
     config = GPT2Config(vocab_size=50, n_positions=128, n_embd=32, n_head=2, n_layer=2)
     out = bench_layout(quick=True, context=8, shape=config)
@@ -144,7 +144,7 @@ def test_bench_layout_times_decode_steps_and_prefills_both_ways():
 def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
     """The chain is the step's matrix products alone: its weights are all of a step's weight bytes but the biases
     and layer-norm vectors, each matrix once, each in the memory order the step reads it."""
-    from gpt2_core.bench import decode_gemvs, gemv_chain_seconds, weight_bytes_per_token
+    from gpt2_core.bench.kv_cache import decode_gemvs, gemv_chain_seconds, weight_bytes_per_token
     from gpt2_core.cpu_kernels import accelerate, array_of
 
     model = accelerate(tiny_model())  # the benchmarks' model
@@ -163,7 +163,8 @@ def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
 def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monkeypatch):
     import time
 
-    from gpt2_core import GPT2Config, bench, model as model_module, random_model
+    from gpt2_core import GPT2Config, model as model_module, random_model
+    from gpt2_core.bench import kv_cache as bench
 
     config = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_head=2, n_layer=2)
     m = random_model(config, seed=0)
@@ -211,7 +212,7 @@ class _Tagged(np.ndarray):
 
 
 def test_gemv_bandwidth_reads_distinct_matrices_in_turn_and_times_only_after_a_round(monkeypatch):
-    from gpt2_core import bench
+    from gpt2_core.bench import kv_cache as bench
 
     # the matrices: separate buffers, every page written (none left mapped to the shared page of zeros)
     made = bench.bound_matrices((16, 64), 3)
@@ -254,7 +255,7 @@ def test_gemv_bandwidth_reads_distinct_matrices_in_turn_and_times_only_after_a_r
 
 
 def test_gemv_cache_effect_alternates_cold_and_warm_and_reports_their_medians(monkeypatch):
-    from gpt2_core import bench
+    from gpt2_core.bench import kv_cache as bench
 
     calls = []
 

@@ -14,7 +14,7 @@ from helpers import ROOT
 
 PROBE = """
 import json
-from gpt2_core import measure
+from gpt2_core.bench import common as measure
 calls = []
 measure.median_time(lambda: calls.append(1), repeats=5, warmup=2)
 shape = measure.timing_model_shape()
@@ -49,7 +49,8 @@ def test_nbgrader_grading_times_once_on_a_shallow_gpt2():
 TEMPORARIES = """
 import resource
 import numpy as np
-from gpt2_core import measure
+from gpt2_core.bench import common as measure
+from gpt2_core.cpu_kernels import keep_freed_memory
 
 def faults_of_temporaries():
     x = np.ones(2**20, dtype=np.float32)  # 4 MiB
@@ -62,7 +63,7 @@ def faults_of_temporaries():
 faults_of_temporaries()
 before = faults_of_temporaries()
 recorded_before = measure.machine_info()["malloc_keeps_freed_memory"]
-kept = measure.keep_freed_memory()
+kept = keep_freed_memory()
 faults_of_temporaries()
 print(kept, before, faults_of_temporaries(), recorded_before, measure.machine_info()["malloc_keeps_freed_memory"])
 """
@@ -84,7 +85,7 @@ def test_keeping_freed_memory_stops_the_page_faults_of_repeated_temporaries():
                                            ({"repeats": 2.5}, "repeats"), ({"repeats": True}, "repeats"),
                                            ({"warmup": -1}, "warmup"), ({"warmup": 1.0}, "warmup")])
 def test_median_time_refuses_counts_that_time_nothing(kwargs, named):
-    from gpt2_core import measure
+    from gpt2_core.bench import common as measure
 
     calls = []
     with pytest.raises(ValueError, match=f"median_time: {named} must be an integer"):
@@ -97,7 +98,7 @@ def test_peak_memory_leaves_a_callers_tracing_on():
 
     import numpy as np
 
-    from gpt2_core import measure
+    from gpt2_core.bench import common as measure
 
     peak, result = measure.peak_memory(lambda: np.ones(2**20, dtype=np.float32).sum())
     assert peak >= 4 * 2**20 and result == 2**20 and not tracemalloc.is_tracing()

@@ -101,7 +101,7 @@ def test_a_store_larger_than_the_memory_available_is_refused_before_it_is_writte
 
 
 def test_available_memory_is_the_smaller_of_the_system_and_the_container_limit(tmp_path):
-    from gpt2_core.measure import available_memory_bytes
+    from gpt2_core.memory import available_memory_bytes
 
     def write(path, text):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def test_available_memory_is_the_smaller_of_the_system_and_the_container_limit(t
 
 
 def test_available_memory_is_read_from_the_system():
-    from gpt2_core.measure import available_memory_bytes
+    from gpt2_core.memory import available_memory_bytes
 
     available = available_memory_bytes()
     if os.path.exists("/proc/meminfo"):
@@ -466,8 +466,8 @@ def test_random_store_operations_keep_every_sequences_kv_intact():
 
 
 def test_bench_records_have_the_shape_of_the_other_benches():
-    from gpt2_core.bench_paged import block_size_sweep, contiguous_store, for_model, narrow_model, run
-    from gpt2_core.workload import standard_workload
+    from gpt2_core.bench.paged import block_size_sweep, contiguous_store, for_model, narrow_model, run
+    from gpt2_core.bench.workload import standard_workload
 
     small = narrow_model()
     reqs = for_model(standard_workload(num_requests=6), small)

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpt2_core import kv_cache
-from gpt2_core.engine import LLMEngine, replay
+from gpt2_core.bench.replay import replay
+from gpt2_core.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
 from gpt2_core.generation import positions_needed
 from gpt2_core.kv_store import ContiguousKVStore, KVStore

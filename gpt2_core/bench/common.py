@@ -1,4 +1,4 @@
-"""Measuring: medians of repeated timings, peak memory with tracemalloc, and what machine the numbers came from.
+"""Measuring, for the benchmarks: medians of repeated timings, peak memory with tracemalloc, and what machine the numbers came from.
 
 Machines are noisy (two cores shared with whatever else runs), so every figure is a median of repeats, and methods
 are compared as ratios measured side by side in the same run, never against numbers from another day.
@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .cpu_kernels.memory import freed_memory_kept, keep_freed_memory  # noqa: F401 (the benchmarks' setting)
-from .errors import is_integer
-from .memory import available_memory_bytes  # noqa: F401
+from ..cpu_kernels.memory import freed_memory_kept
+from ..errors import is_integer
 
 # nbgrader sets NBGRADER_EXECUTION ("autograde" or "validate") while it executes a notebook to grade it. Grades
 # depend on the exercises, never on timings, so a graded run times everything once, on a shallower model.
@@ -32,7 +31,7 @@ def timing_model_shape():
         return "gpt2"
     from dataclasses import replace
 
-    from .config import preset
+    from ..config import preset
 
     return replace(preset("gpt2"), n_layer=2)
 
@@ -108,3 +107,18 @@ def blas_threads(n: int | None):
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=n, user_api="blas")
+
+
+def interleaved(runs: dict, rounds: int, measure=None) -> dict:
+    """``{name: [one reading per round]}``: each of ``runs`` (name -> function) measured in every round, in the
+    dict's order in even rounds and reversed in odd ones, so that the machine's drift falls on all of them alike.
+    ``measure(function, round)`` takes one reading; by default the seconds of the function, the median of 3 calls
+    after a warm-up."""
+    if measure is None:
+        def measure(run, r):
+            return median_time(run, repeats=3, warmup=1)
+    readings: dict = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            readings[name].append(measure(runs[name], r))
+    return readings

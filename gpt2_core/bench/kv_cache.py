@@ -1,4 +1,4 @@
-"""Benchmarks (commands, not tests): ``python -m gpt2_core bench NAME [--json PATH] [--quick]``.
+"""Chapter 2's benchmark, ``python -m gpt2_core bench kv-cache``, and the machine limits the others use.
 
 All on random weights of GPT-2 124M's shape, float32, every method measured in the same run so that ratios are
 fair on a noisy machine. Output: ``{"machine": {...}, "results": [{"method", "batch", "tokens_per_s", ...}]}``.
@@ -7,41 +7,23 @@ fair on a noisy machine. Output: ``{"machine": {...}, "results": [{"method", "ba
 from __future__ import annotations
 
 import inspect
-import json
 import os
-import sys
 import time
 from typing import NamedTuple
 
 import numpy as np
 
-from . import kv_cache
-from . import model as model_module
-from .config import GPT2Config
-from .cpu_kernels import accelerate, array_of
-from .generation import next_token_logits
-from .errors import is_integer, is_writable_file
-from .measure import GRADING, QUICK, blas_threads, machine_info, median_time
-from .weights import GPT2Model, random_model
+from .. import kv_cache
+from .. import model as model_module
+from ..cpu_kernels import accelerate, array_of
+from ..errors import is_integer
+from ..generation import next_token_logits
+from ..weights import GPT2Model, random_model
+from .common import GRADING, QUICK, blas_info, interleaved, median_time
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Machine limits
-
-
-def interleaved(runs: dict, rounds: int, measure=None) -> dict:
-    """``{name: [one reading per round]}``: each of ``runs`` (name -> function) measured in every round, in the
-    dict's order in even rounds and reversed in odd ones, so that the machine's drift falls on all of them alike.
-    ``measure(function, round)`` takes one reading; by default the seconds of the function, the median of 3 calls
-    after a warm-up."""
-    if measure is None:
-        def measure(run, r):
-            return median_time(run, repeats=3, warmup=1)
-    readings: dict = {name: [] for name in runs}
-    for r in range(rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            readings[name].append(measure(runs[name], r))
-    return readings
 
 
 COLD_COPIES = 3  # head-shaped matrices the bound reads in turn (``gemv_bandwidth``)
@@ -250,7 +232,7 @@ def hf_decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, thr
 
 def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> dict[str, float]:
     """Median milliseconds of each part of one decode step at ``position``: where the time goes."""
-    from .model import attention, gelu, layer_norm
+    from ..model import attention, gelu, layer_norm
 
     c, p = model.config, model.params
     rng = np.random.default_rng(2)
@@ -367,7 +349,7 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
 
 def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapter 2's code
-    threads = threads or _current_blas_threads()
+    threads = threads or (int(blas_info()[0]["num_threads"]) if blas_info() else (os.cpu_count() or 1))
     prompt_len = 16
     positions = [16, 32, 64, 128] if quick else [16, 64, 128, 256, 384, 512]
     new_tokens = positions[-1] - prompt_len
@@ -429,142 +411,3 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
             "kernels": "cpu_kernels.accelerate", "results": results, "ratios": ratios, "profile_ms_per_step": profile,
             "profile_in_step_ms_per_step": profile_in_step,
             "gemv_bytes_per_s_by_kind": by_kind, "gemv_cache_effect": cache_effect}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Appendix: the output projections' memory order, on whole steps
-
-
-def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Config = "gpt2") -> dict:
-    """Whole decode steps with the checkpoint's row-major output projections vs column-major ones (both through
-    ``cpu_kernels.accelerate``), side by side (each round times both): chapter 2's ``decode_step`` at batch 1,
-    chapter 3's ragged step without tiles (``tiled=False``: the kernels that see the memory order) for larger
-    batches; and chapter 2's ``prefill`` of prompts of several lengths.
-    ``shape``: the model's preset or config (GPT-2 124M; tests pass a small one)."""
-    from .bench_batching import decode_step_runner
-
-    base = random_model(shape, seed=0)
-    models = {"row_major": accelerate(base, tiled=False, column_major=False),
-              "column_major_projections": accelerate(base, tiled=False, column_major=True)}
-    rounds = 5 if quick else 15
-
-    def side_by_side(runs: dict) -> dict:  # name -> function -> name -> [seconds per round]
-        for run in runs.values():
-            run()  # warm-up
-        return interleaved(runs, rounds, measure=lambda run, r: median_time(run, repeats=1, warmup=0))
-
-    def batch_one(model):
-        _, cache = kv_cache.prefill(model, np.arange(context), capacity=context + 1, last_only=True)
-
-        def step():
-            kv_cache.decode_step(model, 0, cache)
-            cache.length = context  # the same position every time
-        return step
-
-    def speed_ratio(times) -> float:  # column-major speed over row-major, from the medians
-        return float(np.median(times["row_major"])) / float(np.median(times["column_major_projections"]))
-
-    results, ratios = [], {}
-    for batch in ([1, 4, 32] if quick else [1, 2, 4, 8, 16, 32]):
-        times = side_by_side({name: batch_one(m) if batch == 1  # untiled: tiles are the same in either order
-                              else decode_step_runner(m, batch, context) for name, m in models.items()})
-        for name, t in times.items():
-            seconds = float(np.median(t))
-            results.append({"method": name, "batch": batch, "context": context, "seconds_per_step": seconds,
-                            "tokens_per_s": batch / seconds})
-        ratios[f"column_major_speed_over_row_major_batch_{batch}"] = speed_ratio(times)
-    for prompt_len in ([16, 64] if quick else [16, 64, 256, 512]):
-        ids = np.arange(prompt_len) % base.config.vocab_size
-        times = side_by_side({name: (lambda m=m: kv_cache.prefill(m, ids, last_only=True))
-                              for name, m in models.items()})
-        for name, t in times.items():
-            seconds = float(np.median(t))
-            results.append({"method": name, "phase": "prefill", "batch": 1, "prompt_len": prompt_len,
-                            "seconds": seconds, "tokens_per_s": prompt_len / seconds})
-        ratios[f"column_major_speed_over_row_major_prefill_{prompt_len}"] = speed_ratio(times)
-    model_name = "random GPT-2 124M shape, float32" if shape == "gpt2" else f"random {shape} shape, float32"
-    return {"benchmark": "layout", "model": model_name, "quick": quick, "results": results, "ratios": ratios}
-
-
-def _current_blas_threads() -> int:
-    from .measure import blas_info
-
-    info = blas_info()
-    return int(info[0]["num_threads"]) if info else (os.cpu_count() or 1)
-
-
-def bench_batching(**kwargs) -> dict:  # chapter 3 (imported on use: it needs the chapter 3 engine)
-    from .bench_batching import bench_batching as run
-
-    return run(**kwargs)
-
-
-def bench_paged(**kwargs) -> dict:  # chapter 4 (imported on use: it needs the chapter 3 engine)
-    from .bench_paged import bench_paged as run
-
-    return run(**kwargs)
-
-
-def bench_padding(**kwargs) -> dict:  # appendix: GEMM rows in whole blocks of 8 (``cpu_kernels.small_batch.gemm_rows``)
-    from .bench_batching import bench_padding as run
-
-    return run(**kwargs)
-
-
-BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
-              "padding": bench_padding}
-
-
-def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
-                  threads: int | None = None) -> dict:
-    from .errors import InvalidInputError
-
-    if name not in BENCHMARKS:
-        raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
-    if trace is not None and "trace" not in inspect.signature(BENCHMARKS[name]).parameters:
-        takes = [n for n, fn in BENCHMARKS.items() if "trace" in inspect.signature(fn).parameters]
-        raise InvalidInputError(f"--trace applies to {' and '.join(takes)}, not to {name!r}")
-    if json_path and not is_writable_file(json_path):
-        raise InvalidInputError(f"--json {json_path}: cannot write a file there (a folder, a missing folder, or no "
-                                f"permission); found now, not after minutes of benchmarking")
-    quick = quick or QUICK
-    with blas_threads(threads):
-        kwargs = {"quick": quick}
-        if trace is not None:
-            kwargs["trace"] = trace
-        out = {"machine": machine_info(), **BENCHMARKS[name](**kwargs)}
-    text = json.dumps(out, indent=2, default=float)
-    if json_path:
-        with open(json_path, "w") as f:
-            f.write(text + "\n")
-    _print_summary(out)
-    return out
-
-
-def _print_summary(out: dict) -> None:
-    w = sys.stdout.write
-    w(f"{out['benchmark']}  ({out['model']}; numpy {out['machine']['numpy']}, "
-      f"BLAS {[(b['internal_api'], b['num_threads']) for b in out['machine']['blas']]}, "
-      f"load {out['machine']['load_average_1min']})\n")
-    for r in out["results"]:
-        extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
-                          not isinstance(v, (float, list)))
-        w(f"  {r['method']:16s} batch {r['batch']:>3}  {r['tokens_per_s']:9.2f} tok/s  {extra}\n")
-    for k, v in out.get("ratios", {}).items():
-        w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")
-    if "profile_ms_per_step" in out:
-        total = sum(out["profile_ms_per_step"].values())
-        w("  where a decode step's time goes (ms per step, all layers):\n")
-        for k, v in out["profile_ms_per_step"].items():
-            w(f"    {k:26s} {v:7.2f} ms  {100 * v / total:5.1f}%\n")
-    if "profile_in_step_ms_per_step" in out:
-        alone = out.get("profile_ms_per_step", {})
-        w("  the same parts timed inside real decode steps (ms per step; alone, as above, in brackets; in a step\n"
-          "  each GEMV includes its bias add and the layer norms include the head's):\n")
-        for k, v in out["profile_in_step_ms_per_step"].items():
-            w(f"    {k:26s} {v:7.2f} ms" + (f"  ({alone[k]:.2f})" if k in alone else "") + "\n")
-    if "gemv_bytes_per_s_by_kind" in out:
-        rounds = out["gemv_bytes_per_s_by_kind"]
-        w("  GEMV bandwidth by matrix kind inside the chain, GB/s per round (bound: one head-shaped GEMV):\n")
-        for k in rounds[0]:
-            w(f"    {k:12s} " + " ".join(f"{r[k] / 1e9:5.1f}" for r in rounds) + "\n")

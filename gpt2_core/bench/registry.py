@@ -1,0 +1,71 @@
+"""The benchmark commands: ``python -m gpt2_core bench NAME [--json PATH] [--trace PATH] [--quick]``."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+
+from ..errors import InvalidInputError, is_writable_file
+from .batching import bench_batching, bench_padding
+from .common import QUICK, blas_threads, machine_info
+from .kv_cache import bench_kv_cache
+from .layout import bench_layout
+from .paged import bench_paged
+
+
+BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
+              "padding": bench_padding}
+
+
+def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
+                  threads: int | None = None) -> dict:
+    if name not in BENCHMARKS:
+        raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
+    if trace is not None and "trace" not in inspect.signature(BENCHMARKS[name]).parameters:
+        takes = [n for n, fn in BENCHMARKS.items() if "trace" in inspect.signature(fn).parameters]
+        raise InvalidInputError(f"--trace applies to {' and '.join(takes)}, not to {name!r}")
+    if json_path and not is_writable_file(json_path):
+        raise InvalidInputError(f"--json {json_path}: cannot write a file there (a folder, a missing folder, or no "
+                                f"permission); found now, not after minutes of benchmarking")
+    quick = quick or QUICK
+    with blas_threads(threads):
+        kwargs = {"quick": quick}
+        if trace is not None:
+            kwargs["trace"] = trace
+        out = {"machine": machine_info(), **BENCHMARKS[name](**kwargs)}
+    text = json.dumps(out, indent=2, default=float)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(text + "\n")
+    _print_summary(out)
+    return out
+
+
+def _print_summary(out: dict) -> None:
+    w = sys.stdout.write
+    w(f"{out['benchmark']}  ({out['model']}; numpy {out['machine']['numpy']}, "
+      f"BLAS {[(b['internal_api'], b['num_threads']) for b in out['machine']['blas']]}, "
+      f"load {out['machine']['load_average_1min']})\n")
+    for r in out["results"]:
+        extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
+                          not isinstance(v, (float, list)))
+        w(f"  {r['method']:16s} batch {r['batch']:>3}  {r['tokens_per_s']:9.2f} tok/s  {extra}\n")
+    for k, v in out.get("ratios", {}).items():
+        w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")
+    if "profile_ms_per_step" in out:
+        total = sum(out["profile_ms_per_step"].values())
+        w("  where a decode step's time goes (ms per step, all layers):\n")
+        for k, v in out["profile_ms_per_step"].items():
+            w(f"    {k:26s} {v:7.2f} ms  {100 * v / total:5.1f}%\n")
+    if "profile_in_step_ms_per_step" in out:
+        alone = out.get("profile_ms_per_step", {})
+        w("  the same parts timed inside real decode steps (ms per step; alone, as above, in brackets; in a step\n"
+          "  each GEMV includes its bias add and the layer norms include the head's):\n")
+        for k, v in out["profile_in_step_ms_per_step"].items():
+            w(f"    {k:26s} {v:7.2f} ms" + (f"  ({alone[k]:.2f})" if k in alone else "") + "\n")
+    if "gemv_bytes_per_s_by_kind" in out:
+        rounds = out["gemv_bytes_per_s_by_kind"]
+        w("  GEMV bandwidth by matrix kind inside the chain, GB/s per round (bound: one head-shaped GEMV):\n")
+        for k in rounds[0]:
+            w(f"    {k:12s} " + " ".join(f"{r[k] / 1e9:5.1f}" for r in rounds) + "\n")
