@@ -49,7 +49,7 @@ def _bench(args) -> int:
     from .bench.registry import run_benchmark
     from .cpu_kernels import keep_freed_memory
 
-    keep_freed_memory()  # this process only: every strategy timed with the same allocator (chapter 2, optimisation 4)
+    keep_freed_memory()  # this process only: every strategy timed with the same allocator (the appendix)
     run_benchmark(args.name, json_path=args.json, trace=args.trace, quick=args.quick)
     return 0
 

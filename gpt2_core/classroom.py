@@ -193,7 +193,7 @@ class Course:
         # nbgrader runs the `alembic` executable by name when it creates a gradebook: put this interpreter's
         # scripts first on PATH, so an unactivated virtual environment (.venv/bin/python -m ...) works too.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        # nbgrader sets NBGRADER_EXECUTION in the kernels it grades with; gpt2_core.measure.GRADING then times every
+        # nbgrader sets NBGRADER_EXECUTION in the kernels it grades with; gpt2_core.bench.common.GRADING then times every
         # benchmark cell once on a 2-layer model: no exercise depends on timings, and a class of 30 x 4 chapters at
         # full size would take hours.
         if (PACKAGE_ROOT / "pyproject.toml").exists():  # a source checkout: the kernels import this gpt2_core
