@@ -25,9 +25,9 @@ import numpy as np
 from .errors import CacheCapacityError, InvalidInputError, is_integer, is_real
 from .kv_store import ContiguousKVStore, KVStore
 from .model_runner import Chunk, ragged_forward
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler
 from .scheduler import Scheduler, check_limits
-from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus
+from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus, check_request
 from .weights import GPT2Model
 
 
@@ -155,30 +155,14 @@ class LLMEngine:
             ids.add(r.request_id)
 
     def _validate(self, seq: Sequence) -> str | None:
-        r, cfg = seq.request, self.model.config
+        """Why ``seq`` cannot be served (``check_request``, then ``Scheduler.check_fits``), or None; a valid
+        sequence gets its checked prompt, budget and sampler."""
         try:
-            params = r.sampling_params
-            if isinstance(params, dict):
-                params = SamplingParams(**params)
-            if not isinstance(params, SamplingParams):
-                return f"sampling_params must be a SamplingParams or a dict, got {type(params).__name__}"
-            seq.sampler = Sampler(params)
-            seq.prompt_token_ids = self.model.check_tokens(r.prompt_token_ids).tolist()
+            checked = check_request(seq.request, self.model)
         except InvalidInputError as e:
             return str(e)
-        except TypeError as e:  # e.g. an unknown sampling parameter name in a dict
-            return f"bad sampling_params: {e}"
-        if r.logits_processor is not None and not callable(r.logits_processor):
-            return f"logits_processor must be a function (token_ids, logits) -> logits, got {r.logits_processor!r}"
-        m = r.max_new_tokens
-        if not is_integer(m, 0):
-            return f"max_new_tokens must be an integer >= 0, got {m!r}"
-        seq.max_new_tokens = int(m)
-        if not isinstance(r.stop_at_eos, (bool, np.bool_)):
-            return f"stop_at_eos must be True or False, got {r.stop_at_eos!r}"
-        s = r.stop_token_id
-        if s is not None and not is_integer(s, 0, cfg.vocab_size - 1):
-            return f"stop_token_id must be a token id in [0, {cfg.vocab_size}), got {s!r}"
+        seq.prompt_token_ids, seq.max_new_tokens = checked.prompt_token_ids, checked.max_new_tokens
+        seq.sampler = Sampler(checked.sampling_params)
         return self.scheduler.check_fits(seq)
 
     def get_sequence(self, request_id) -> Sequence:

@@ -147,7 +147,7 @@ def kv_cache_bytes(config: GPT2Config, num_tokens: int, dtype=np.float32) -> int
 def kv_cache_breakdown(config: GPT2Config, num_tokens: int, dtype=np.float32) -> dict:
     """The factors of ``kv_cache_bytes`` and the result, for one sequence."""
     itemsize = np.dtype(dtype).itemsize
-    per_token = 2 * config.n_layer * config.n_head * config.head_dim * itemsize
+    per_token = kv_cache_bytes(config, 1, dtype)
     return {"k_and_v": 2, "n_layer": config.n_layer, "n_head": config.n_head, "head_dim": config.head_dim,
             "num_tokens": num_tokens, "bytes_per_element": itemsize, "bytes_per_token": per_token,
             "bytes": per_token * num_tokens}

@@ -16,6 +16,7 @@ import numpy as np
 
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError, is_integer
+from .kv_cache import kv_cache_bytes
 from .memory import available_memory_bytes
 
 
@@ -81,8 +82,7 @@ class KVStore(ABC):
 
     @property
     def bytes_per_token(self) -> int:
-        c = self.config
-        return 2 * c.n_layer * c.n_head * c.head_dim * np.dtype(self.dtype).itemsize
+        return kv_cache_bytes(self.config, 1, self.dtype)
 
     def usage(self) -> float:
         """Fraction of the store reserved by live sequences (vLLM's ``kv_cache_usage``)."""

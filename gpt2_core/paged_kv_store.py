@@ -17,6 +17,7 @@ import numpy as np
 from .block_manager import BlockManager, blocks_needed
 from .config import GPT2Config
 from .errors import CacheCapacityError, InvalidInputError, is_integer, is_real
+from .kv_cache import kv_cache_bytes
 from .kv_store import KVStore, claimed_zeros
 
 
@@ -53,7 +54,7 @@ class PagedKVStore(KVStore):
             raise InvalidInputError(f"block_size must be a positive integer, got {block_size!r}")
         if not is_real(budget_bytes) or budget_bytes < 0:
             raise InvalidInputError(f"budget_bytes must be a finite number of bytes >= 0, got {budget_bytes!r}")
-        per_block = 2 * config.n_layer * config.n_head * config.head_dim * block_size * np.dtype(dtype).itemsize
+        per_block = kv_cache_bytes(config, block_size, dtype)
         num_blocks = int(budget_bytes // per_block)
         if num_blocks < 1:
             raise InvalidInputError(f"a KV budget of {budget_bytes:,} bytes holds no block of {block_size} tokens "

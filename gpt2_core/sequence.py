@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import Sampler, SamplingParams
+from .errors import InvalidInputError, is_integer
+from .sampling import Sampler, SamplingParams, sampling_params_of
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +44,35 @@ class Request:
     stop_at_eos: bool = True  # stop after the model's eos token (chapter 1's ``stop_at_eos``)
     arrival_s: float = 0.0  # when it arrives, seconds after the start of a workload (used by replay drivers)
     logits_processor: Callable | None = None  # optional (token_ids, logits [V]) -> logits [V], user code
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request's fields as the engine uses them, after ``check_request``."""
+
+    prompt_token_ids: list  # [T] Python ints
+    max_new_tokens: int
+    sampling_params: SamplingParams
+
+
+def check_request(request: Request, model) -> CheckedRequest:
+    """``request``'s prompt, budget, sampling parameters and stop settings checked against ``model``: an
+    ``InvalidInputError`` naming the first field that is wrong, else the fields ready to use. The one check every
+    server of requests runs (the continuous engine, static batching); whether the request fits the context and
+    the KV store is the scheduler's question (``Scheduler.check_fits``)."""
+    params = sampling_params_of(request.sampling_params)
+    prompt = model.check_tokens(request.prompt_token_ids).tolist()
+    if request.logits_processor is not None and not callable(request.logits_processor):
+        raise InvalidInputError(f"logits_processor must be a function (token_ids, logits) -> logits, got "
+                                f"{request.logits_processor!r}")
+    if not is_integer(request.max_new_tokens, 0):
+        raise InvalidInputError(f"max_new_tokens must be an integer >= 0, got {request.max_new_tokens!r}")
+    if not isinstance(request.stop_at_eos, (bool, np.bool_)):  # "no" would be true
+        raise InvalidInputError(f"stop_at_eos must be True or False, got {request.stop_at_eos!r}")
+    s, V = request.stop_token_id, model.config.vocab_size
+    if s is not None and not is_integer(s, 0, V - 1):
+        raise InvalidInputError(f"stop_token_id must be a token id in [0, {V}), got {s!r}")
+    return CheckedRequest(prompt, int(request.max_new_tokens), params)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from .generation import check_generation
 from .kv_store import claimed_zeros
 from .model import layer_norm, linear, lm_head, mlp, softmax
 from .sampling import Sampler, sampling_params_of
-from .sequence import FinishReason
+from .sequence import FinishReason, check_request
 from .weights import GPT2Model
 
 
@@ -137,52 +137,17 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     the row, or None) are one value for all rows or one per row. ``kv_buffer`` (``static_kv_buffer``) is where
     the batch keeps its K/V; without one, the batch takes its own when it starts.
     """
-    if prompts is None or isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-        raise InvalidInputError(f"static_generate needs a list of prompts (token id lists), got {type(prompts).__name__}")
-    B, V = len(prompts), model.config.vocab_size
-    if B == 0:
-        raise InvalidInputError("static_generate needs at least one prompt")
-    budgets = list(max_new_tokens) if np.ndim(max_new_tokens) else [max_new_tokens] * B
-    params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * B
-    eos_rows = list(stop_at_eos) if np.ndim(stop_at_eos) else [stop_at_eos] * B
-    stop_rows = list(stop_token_ids) if np.ndim(stop_token_ids) else [stop_token_ids] * B
-    if not len(budgets) == len(params) == len(eos_rows) == len(stop_rows) == B:
-        raise InvalidInputError(f"{B} prompts but {len(budgets)} max_new_tokens, {len(params)} sampling_params, "
-                                f"{len(eos_rows)} stop_at_eos and {len(stop_rows)} stop_token_ids")
-    prompts = [check_generation(model, p, m) for p, m in zip(prompts, budgets)]
-    if any(not isinstance(e, (bool, np.bool_)) for e in eos_rows):
-        raise InvalidInputError(f"stop_at_eos must be True or False (or one per row), got {stop_at_eos!r}")
-    if any(s is not None and not is_integer(s, 0, V - 1) for s in stop_rows):
-        raise InvalidInputError(f"stop_token_ids must be token ids in [0, {V}) or None (or one per row), got "
-                                f"{stop_token_ids!r}")
-    if not is_integer(pad_id, 0, V - 1):
-        raise InvalidInputError(f"pad_id must be a token id in [0, {V}), got {pad_id!r}")
-    samplers = [Sampler(sampling_params_of(p)) for p in params]
-    cfg = model.config
+    prompts, budgets, samplers, stops = _rows(model, prompts, max_new_tokens, sampling_params, stop_at_eos,
+                                              stop_token_ids, pad_id)
+    B, cfg = len(prompts), model.config
     ids, key_mask = left_pad(prompts, pad_id)  # [B, T]
     T, steps = ids.shape[1], max(budgets)
     out = StaticBatchOutput([[] for _ in range(B)], [FinishReason.LENGTH] * B, batch_size=B, padded_prompt_len=T)
     if steps == 0:
         return out
-    columns = T + steps  # columns, not positions: may exceed n_ctx
-    if kv_buffer is None:
-        shape = (2, cfg.n_layer, B, cfg.n_head, columns, cfg.head_dim)
-        kv = claimed_zeros(shape, np.float32, f"a static batch's KV cache of {B} rows x {columns} columns")
-    elif (kv_buffer.dtype != np.float32 or kv_buffer.shape[:2] != (2, cfg.n_layer)
-          or kv_buffer.shape[3::2] != (cfg.n_head, cfg.head_dim)):  # [2, L, rows, H, columns, D]
-        raise InvalidInputError(f"kv_buffer must be float32 [2, n_layer={cfg.n_layer}, rows, n_head={cfg.n_head}, "
-                                f"columns, head_dim={cfg.head_dim}] (static_kv_buffer), got {kv_buffer.dtype} "
-                                f"{list(kv_buffer.shape)}")
-    elif kv_buffer.shape[2] < B or kv_buffer.shape[4] < columns:
-        raise CacheCapacityError(f"a batch of {B} rows x {columns} columns (longest prompt {T} + {steps} new "
-                                 f"tokens) does not fit kv_buffer of {kv_buffer.shape[2]} rows x "
-                                 f"{kv_buffer.shape[4]} columns")
-    else:
-        kv = kv_buffer[:, :, :B, :, :columns]  # a view; columns are written before they are read
-    cache = StaticBatchCache(kv[0], kv[1])
+    cache = _batch_cache(cfg, kv_buffer, B, T, steps)
     logits = static_forward(model, ids, position_ids(key_mask), key_mask, cache)  # prefill: [B, V]
     done = [m == 0 for m in budgets]
-    stops = [{t for t in (cfg.eos_token_id if e else None, s) if t is not None} for e, s in zip(eos_rows, stop_rows)]
     next_pos = key_mask.sum(axis=1)  # [B] each row's next real position
     for step in range(steps):
         tokens = np.full(B, pad_id, dtype=np.int64)
@@ -209,14 +174,58 @@ def static_generate(model: GPT2Model, prompts, max_new_tokens, sampling_params=N
     return out
 
 
+def _rows(model: GPT2Model, prompts, max_new_tokens, sampling_params, stop_at_eos, stop_token_ids, pad_id):
+    """``static_generate``'s arguments checked and made one per row: (prompts, budgets, samplers, stop sets)."""
+    if prompts is None or isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        raise InvalidInputError(f"static_generate needs a list of prompts (token id lists), got {type(prompts).__name__}")
+    B, V = len(prompts), model.config.vocab_size
+    if B == 0:
+        raise InvalidInputError("static_generate needs at least one prompt")
+    budgets = list(max_new_tokens) if np.ndim(max_new_tokens) else [max_new_tokens] * B
+    params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * B
+    eos_rows = list(stop_at_eos) if np.ndim(stop_at_eos) else [stop_at_eos] * B
+    stop_rows = list(stop_token_ids) if np.ndim(stop_token_ids) else [stop_token_ids] * B
+    if not len(budgets) == len(params) == len(eos_rows) == len(stop_rows) == B:
+        raise InvalidInputError(f"{B} prompts but {len(budgets)} max_new_tokens, {len(params)} sampling_params, "
+                                f"{len(eos_rows)} stop_at_eos and {len(stop_rows)} stop_token_ids")
+    prompts = [check_generation(model, p, m) for p, m in zip(prompts, budgets)]
+    if any(not isinstance(e, (bool, np.bool_)) for e in eos_rows):
+        raise InvalidInputError(f"stop_at_eos must be True or False (or one per row), got {stop_at_eos!r}")
+    if any(s is not None and not is_integer(s, 0, V - 1) for s in stop_rows):
+        raise InvalidInputError(f"stop_token_ids must be token ids in [0, {V}) or None (or one per row), got "
+                                f"{stop_token_ids!r}")
+    if not is_integer(pad_id, 0, V - 1):
+        raise InvalidInputError(f"pad_id must be a token id in [0, {V}), got {pad_id!r}")
+    samplers = [Sampler(sampling_params_of(p)) for p in params]
+    eos = model.config.eos_token_id
+    stops = [{t for t in (eos if e else None, s) if t is not None} for e, s in zip(eos_rows, stop_rows)]
+    return prompts, budgets, samplers, stops
+
+
+def _batch_cache(cfg, kv_buffer, B: int, T: int, steps: int) -> StaticBatchCache:
+    """The batch's K/V: a corner of ``kv_buffer`` (checked), or memory of its own."""
+    columns = T + steps  # columns, not positions: may exceed n_ctx
+    if kv_buffer is None:
+        shape = (2, cfg.n_layer, B, cfg.n_head, columns, cfg.head_dim)
+        kv = claimed_zeros(shape, np.float32, f"a static batch's KV cache of {B} rows x {columns} columns")
+    elif (kv_buffer.dtype != np.float32 or kv_buffer.shape[:2] != (2, cfg.n_layer)
+          or kv_buffer.shape[3::2] != (cfg.n_head, cfg.head_dim)):  # [2, L, rows, H, columns, D]
+        raise InvalidInputError(f"kv_buffer must be float32 [2, n_layer={cfg.n_layer}, rows, n_head={cfg.n_head}, "
+                                f"columns, head_dim={cfg.head_dim}] (static_kv_buffer), got {kv_buffer.dtype} "
+                                f"{list(kv_buffer.shape)}")
+    elif kv_buffer.shape[2] < B or kv_buffer.shape[4] < columns:
+        raise CacheCapacityError(f"a batch of {B} rows x {columns} columns (longest prompt {T} + {steps} new "
+                                 f"tokens) does not fit kv_buffer of {kv_buffer.shape[2]} rows x "
+                                 f"{kv_buffer.shape[4]} columns")
+    else:
+        kv = kv_buffer[:, :, :B, :, :columns]  # a view; columns are written before they are read
+    return StaticBatchCache(kv[0], kv[1])
+
+
 def _check_request(model: GPT2Model, r) -> str | None:
-    """Why static batching cannot serve request ``r`` (the checks of the continuous engine), or None."""
+    """Why static batching cannot serve request ``r`` (the continuous engine's checks), or None."""
     try:
-        check_generation(model, r.prompt_token_ids, r.max_new_tokens, r.stop_at_eos)
-        sampling_params_of(r.sampling_params)
-        s, V = r.stop_token_id, model.config.vocab_size
-        if s is not None and not is_integer(s, 0, V - 1):
-            return f"stop_token_id must be a token id in [0, {V}), got {s!r}"
+        check_generation(model, check_request(r, model).prompt_token_ids, r.max_new_tokens, r.stop_at_eos)
         if r.logits_processor is not None:  # a padded batch samples all rows at once: no per-request hook
             return "static batching runs no logits_processor (the continuous engine does)"
     except InvalidInputError as e:
