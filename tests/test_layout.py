@@ -1,0 +1,51 @@
+"""The package's layout keeps the chapters readable: chapter modules import only earlier chapters and plumbing,
+never the appendix's kernels (``cpu_kernels``) or the benchmarks (``bench``), and their functions stay short."""
+
+import ast
+
+import pytest
+from helpers import ROOT
+
+PACKAGE = ROOT / "gpt2_core"
+CHAPTER_MODULES = ["model", "sampling", "generation", "kv_cache", "sequence", "scheduler", "kv_store", "model_runner",
+                   "engine", "static_batching", "block_manager", "paged_kv_store"]
+OUT_OF_BOUNDS = ("cpu_kernels", "bench", "classroom")
+
+
+def imported_modules(path):
+    """Every module ``path`` imports (relative imports resolved to names under gpt2_core), at any depth."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from .x import y / from . import x
+                yield from ([f"gpt2_core.{base}"] if base else [f"gpt2_core.{a.name}" for a in node.names])
+            else:
+                yield base
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+@pytest.mark.parametrize("name", CHAPTER_MODULES)
+def test_a_chapter_module_imports_no_kernels_and_no_benchmarks(name):
+    found = [m for m in imported_modules(PACKAGE / f"{name}.py") if m.split(".")[:2][-1] in OUT_OF_BOUNDS]
+    assert not found, f"gpt2_core/{name}.py imports {found}: chapters must not depend on the appendix or benchmarks"
+
+
+@pytest.mark.parametrize("name", CHAPTER_MODULES)
+def test_no_function_in_a_chapter_module_is_longer_than_50_lines(name):
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 50]
+    assert not long, f"gpt2_core/{name}.py: {long}"
+
+
+def test_the_checks_see_a_forbidden_import():
+    """The import walk resolves relative imports, so the test above would catch ``from .cpu_kernels import x``."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "m.py"
+        p.write_text("def f():\n    from .cpu_kernels import accelerate\n    from . import bench\n")
+        assert list(imported_modules(p)) == ["gpt2_core.cpu_kernels", "gpt2_core.bench"]
