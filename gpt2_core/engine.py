@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,42 +76,107 @@ def check_store_fits(store: KVStore, model: GPT2Model) -> None:
                                 f"{have.head_dim}; the model needs {want.n_layer} x {want.n_head} x {want.head_dim}")
 
 
+def engine_store(model: GPT2Model, store: KVStore | None, max_num_seqs, max_num_batched_tokens,
+                 max_len) -> KVStore:
+    """The engine's KV store: ``store`` checked (it fits the model and holds no one else's sequences), or by
+    default a contiguous store of ``max_num_seqs`` slots of ``max_len`` tokens. The limits are checked first,
+    before the default store takes its memory."""
+    check_limits(max_num_seqs, max_num_batched_tokens)
+    if max_len is not None and not is_integer(max_len, 1):
+        raise InvalidInputError(f"max_len must be a positive integer, got {max_len!r}")
+    if store is None:
+        return ContiguousKVStore(model.config, num_slots=int(max_num_seqs), max_len=max_len)
+    if max_len is not None:
+        raise InvalidInputError("max_len sizes the default store; a store passed in has its own size")
+    check_store_fits(store, model)
+    if store.reserved_tokens():  # its sequences are someone else's: their ids would collide with ours
+        raise InvalidInputError(f"the KV store already holds room for {store.reserved_tokens()} tokens of "
+                                f"other sequences; an engine needs a store of its own")
+    return store
+
+
 class LLMEngine:
     """Continuous batching over a ``KVStore`` (default: one contiguous slot of ``max_len`` per sequence)."""
 
     def __init__(self, model: GPT2Model, store: KVStore | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_len: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        check_limits(max_num_seqs, max_num_batched_tokens)  # before the default store takes its memory
-        if max_len is not None and not is_integer(max_len, 1):
-            raise InvalidInputError(f"max_len must be a positive integer, got {max_len!r}")
-        if store is None:
-            store = ContiguousKVStore(model.config, num_slots=int(max_num_seqs), max_len=max_len)
-        elif max_len is not None:
-            raise InvalidInputError("max_len sizes the default store; a store passed in has its own size")
-        else:
-            check_store_fits(store, model)
-            if store.reserved_tokens():  # its sequences are someone else's: their ids would collide with ours
-                raise InvalidInputError(f"the KV store already holds room for {store.reserved_tokens()} tokens of "
-                                        f"other sequences; an engine needs a store of its own")
-        self.model, self.store, self.clock = model, store, clock
-        self.scheduler = Scheduler(store, int(max_num_seqs), int(max_num_batched_tokens), model.config.n_positions)
+                 clock: Callable[[], float] = time.perf_counter, scheduler_cls: type[Scheduler] = Scheduler):
+        self.model, self.clock = model, clock
+        self.store = engine_store(model, store, max_num_seqs, max_num_batched_tokens, max_len)
+        self.scheduler = scheduler_cls(self.store, int(max_num_seqs), int(max_num_batched_tokens),
+                                       model.config.n_positions)
         self.sequences: dict[int, Sequence] = {}  # seq_id -> Sequence, all ever added
-        self._by_request: dict[object, Sequence] = {}
-        self._callbacks: dict[int, Callable] = {}
-        self._pending: dict[int, list[int]] = {}  # tokens produced but not yet taken by stream()
-        self.step_stats: list[StepStats] = []
+        self.step_stats: list[StepStats] = []  # one record per step, for the metrics and the plots
         self.num_steps = 0
         self._next_id = 0
+        self._by_request: dict[object, Sequence] = {}
+        self._callbacks: dict[int, Callable] = {}  # seq_id -> on_token
+        self._pending: dict[int, list[int]] = {}  # tokens produced but not yet taken by stream()
         self._in_step = False  # see step(): a step must not start inside another
 
-    # -- requests -------------------------------------------------------------------------------------------------
     def add_request(self, request: Request, arrival_time: float | None = None,
                     on_token: Callable[[Sequence, int], None] | None = None) -> int:
         """Queue a request; return its sequence id. An invalid request is finished at once with an error.
 
         ``on_token(seq, token)`` is called for each new token; after the last one ``seq.is_finished`` is True.
         """
+        seq = self._new_sequence(request, arrival_time, on_token)  # checked; finished at once if it cannot run
+        if not seq.is_finished:
+            self.scheduler.add(seq)  # WAITING, until the scheduler admits it
+        return seq.seq_id
+
+    def step(self) -> list[tuple[object, int]]:
+        """One iteration: schedule, run one ragged model step, sample. Returns the ``(request_id, new_token)``
+        pairs produced."""
+        with self._one_step_at_a_time():
+            start = self.clock()
+            plan = self.scheduler.schedule()  # 1. who runs: every running sequence decodes, new ones prefill
+            if not plan.scheduled:
+                self._check_progress(plan)
+                return []
+            chunks = [Chunk(seq.seq_id, np.asarray(seq.token_ids[seq.num_computed_tokens:], dtype=np.int64),
+                            seq.num_computed_tokens) for seq in plan.scheduled]  # a whole prompt, or one token
+            stats = self._begin_stats(plan, start)
+            logits = self._run_model(plan, chunks)  # 2. ragged_forward: all chunks in one pass -> [B, V]
+            now = self.clock()
+            outputs = []
+            for seq, row in zip(plan.scheduled, logits):  # 3. each sequence samples its own next token
+                seq.num_computed_tokens = seq.num_tokens  # its K/V are in the store now
+                token = self._sample(seq, row, now)  # its own seeded sampler; None if its own code raised
+                if token is not None:
+                    self._append_token(seq, token, now)
+                    outputs.append((seq.request_id, token))
+            self._end_stats(stats, now)
+            self._call_back(outputs, now)  # only once every sequence's state is up to date
+            return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        """``token`` joins ``seq``'s output; a stop token or a spent budget finishes ``seq`` and frees its KV."""
+        seq.output_token_ids.append(token)
+        seq.metrics.token_times.append(now)
+        self._pending[seq.seq_id].append(token)
+        r = seq.request
+        if (r.stop_at_eos and token == self.model.config.eos_token_id) or token == r.stop_token_id:
+            self._finish(seq, FinishReason.STOP, now)
+        elif len(seq.output_token_ids) >= seq.max_new_tokens:
+            self._finish(seq, FinishReason.LENGTH, now)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        self.scheduler.finish(seq, reason)  # out of the queues, its KV room freed for the next step
+        seq.metrics.finished_time = now
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def run_until_done(self) -> None:
+        while self.has_unfinished():
+            self.step()
+
+    # -- the rest: checking requests, failing them alone, the step's record, callbacks and streams ---------------
+    def _new_sequence(self, request: Request, arrival_time: float | None, on_token) -> Sequence:
+        """``request`` as a new ``Sequence`` of this engine, checked. One that cannot run (invalid, or too big for
+        the context, the store or the token budget) is finished at once with ``FinishReason.ERROR`` and a message;
+        one with ``max_new_tokens=0`` with ``FinishReason.LENGTH``."""
         self._check_new([request])
         if arrival_time is not None and not is_real(arrival_time):
             raise InvalidInputError(f"arrival_time must be a finite number (clock seconds), got {arrival_time!r}")
@@ -133,12 +199,9 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = FinishReason.ERROR
             seq.metrics.finished_time = now
-            return seq_id
-        if seq.max_new_tokens == 0:
+        elif seq.max_new_tokens == 0:
             self._finish(seq, FinishReason.LENGTH, now)
-            return seq_id
-        self.scheduler.add(seq)
-        return seq_id
+        return seq
 
     def _check_new(self, requests: list) -> None:
         """Refuse, before anything is queued, what is not a ``Request`` or reuses a ``request_id``."""
@@ -171,14 +234,9 @@ class LLMEngine:
         except (KeyError, TypeError):
             raise InvalidInputError(f"no request {request_id!r} in this engine") from None
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    # -- one step -------------------------------------------------------------------------------------------------
-    def step(self) -> list[tuple[object, int]]:
-        """Schedule, run one ragged model step, sample. Returns the ``(request_id, new_token)`` pairs produced.
-
-        A step cannot start inside another: an ``on_token`` callback or a ``logits_processor`` that calls
+    @contextmanager
+    def _one_step_at_a_time(self):
+        """A step cannot start inside another: an ``on_token`` callback or a ``logits_processor`` that calls
         ``step`` (or ``stream``, ``run_until_done``, ``generate_many``) gets an ``InvalidInputError``, so its own
         request fails and the step in progress finishes as if it had not been called."""
         if self._in_step:
@@ -186,59 +244,63 @@ class LLMEngine:
                                     "logits_processor); return instead, the caller steps again")
         self._in_step = True
         try:
-            return self._step()
+            yield
         finally:
             self._in_step = False
 
-    def _step(self) -> list[tuple[object, int]]:
-        start = self.clock()
-        plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            if self.scheduler.waiting and not (self.scheduler.running or plan.preempted):  # no one will free room
-                raise CacheCapacityError(f"{len(self.scheduler.waiting)} request(s) wait, none is running, and the "
-                                         f"KV store has no room for the first: something else holds its memory")
-            return []
-        for seq in plan.scheduled:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = start
-        chunks = [Chunk(seq.seq_id, np.asarray(seq.token_ids[seq.num_computed_tokens:], dtype=np.int64),
-                        seq.num_computed_tokens) for seq in plan.scheduled]
-        kv_used = sum(seq.num_tokens for seq in self.scheduler.running)
-        kv_slots, kv_reserved = len(self.scheduler.running), self.store.reserved_tokens()
+    def _check_progress(self, plan) -> None:
+        """A step that schedules no one while requests wait and none runs or was preempted will never schedule
+        anyone: something outside the engine holds the store's memory."""
+        if self.scheduler.waiting and not (self.scheduler.running or plan.preempted):
+            raise CacheCapacityError(f"{len(self.scheduler.waiting)} request(s) wait, none is running, and the "
+                                     f"KV store has no room for the first: something else holds its memory")
+
+    def _run_model(self, plan, chunks: list[Chunk]) -> np.ndarray:
+        """``ragged_forward`` over the step's chunks -> [B, V]. If it raises (Ctrl-C included), nothing was sampled:
+        every sequence of the step goes back to the front of the queue, to be computed again."""
         try:
-            logits = ragged_forward(self.model, self.store, chunks)  # [B, V]
-        except BaseException:  # incl. Ctrl-C: nothing was sampled, so every sequence of the step waits again
+            return ragged_forward(self.model, self.store, chunks)
+        except BaseException:
             for seq in reversed(plan.scheduled):
                 self.scheduler.requeue(seq)
             raise
-        now = self.clock()
-        outputs = []
-        for seq, row in zip(plan.scheduled, logits):
-            seq.num_computed_tokens = seq.num_tokens
-            try:
-                token = self._sample(seq, row)
-            except Exception as e:  # the request's own sampling failed: it fails alone
-                seq.error = f"request {seq.request_id!r}: sampling raised {type(e).__name__}: {e}"
-                self._finish(seq, FinishReason.ERROR, now)
-                continue
-            seq.output_token_ids.append(token)
-            seq.metrics.token_times.append(now)
-            outputs.append((seq.request_id, token))
-            r = seq.request
-            if (r.stop_at_eos and token == self.model.config.eos_token_id) or token == r.stop_token_id:
-                self._finish(seq, FinishReason.STOP, now)
-            elif len(seq.output_token_ids) >= seq.max_new_tokens:
-                self._finish(seq, FinishReason.LENGTH, now)
-            self._pending[seq.seq_id].append(token)
-        self.step_stats.append(StepStats(
-            step=self.num_steps, start_time=start, end_time=now, num_seqs=len(plan.scheduled),
+
+    def _sample(self, seq: Sequence, logits: np.ndarray, now: float) -> int | None:
+        """``seq``'s next token from its own sampler (after its ``logits_processor``), or None if that raised: the
+        request's own code failed, so it alone ends with ``FinishReason.ERROR``."""
+        try:
+            if seq.request.logits_processor is not None:
+                logits = np.asarray(seq.request.logits_processor(seq.token_ids, logits))
+                V = self.model.config.vocab_size
+                if logits.shape != (V,) or not np.issubdtype(logits.dtype, np.floating):
+                    raise InvalidInputError(f"logits_processor must return float logits of shape ({V},), got "
+                                            f"{logits.dtype} {logits.shape}")
+            token = seq.sampler(logits)
+            if not 0 <= token < self.model.config.vocab_size:
+                raise InvalidInputError(f"sampled token {token} is outside the vocabulary")
+            return token
+        except Exception as e:
+            seq.error = f"request {seq.request_id!r}: sampling raised {type(e).__name__}: {e}"
+            self._finish(seq, FinishReason.ERROR, now)
+            return None
+
+    def _begin_stats(self, plan, start: float) -> StepStats:
+        """The step's record as the model starts (``_end_stats`` completes it); first-scheduled times stamped."""
+        for seq in plan.scheduled:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = start
+        return StepStats(
+            step=self.num_steps, start_time=start, end_time=start, num_seqs=len(plan.scheduled),
             num_prefill_seqs=plan.num_prefill_seqs, num_decode_seqs=plan.num_decode_seqs,
-            num_batched_tokens=plan.num_batched_tokens, num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting), kv_slots_in_use=kv_slots, kv_reserved_tokens=kv_reserved,
-            kv_used_tokens=kv_used, num_preempted=len(plan.preempted)))
+            num_batched_tokens=plan.num_batched_tokens, num_running=0, num_waiting=0,
+            kv_slots_in_use=len(self.scheduler.running), kv_reserved_tokens=self.store.reserved_tokens(),
+            kv_used_tokens=sum(seq.num_tokens for seq in self.scheduler.running), num_preempted=len(plan.preempted))
+
+    def _end_stats(self, stats: StepStats, now: float) -> None:
+        stats.end_time, stats.num_running = now, len(self.scheduler.running)
+        stats.num_waiting = len(self.scheduler.waiting)
+        self.step_stats.append(stats)
         self.num_steps += 1
-        self._call_back(outputs, now)  # only once every sequence's state is up to date
-        return outputs
 
     def _call_back(self, outputs, now: float) -> None:
         """Hand each new token to its request's ``on_token``. A callback is the caller's code: if it raises, its
@@ -260,22 +322,6 @@ class LLMEngine:
                 self._call_back(outputs[i + 1:], now)
                 raise
 
-    def _sample(self, seq: Sequence, logits: np.ndarray) -> int:
-        if seq.request.logits_processor is not None:
-            logits = np.asarray(seq.request.logits_processor(seq.token_ids, logits))
-            V = self.model.config.vocab_size
-            if logits.shape != (V,) or not np.issubdtype(logits.dtype, np.floating):
-                raise InvalidInputError(f"logits_processor must return float logits of shape ({V},), got "
-                                        f"{logits.dtype} {logits.shape}")
-        token = seq.sampler(logits)
-        if not 0 <= token < self.model.config.vocab_size:
-            raise InvalidInputError(f"sampled token {token} is outside the vocabulary")
-        return token
-
-    def _finish(self, seq: Sequence, reason: FinishReason, now: float) -> None:
-        self.scheduler.finish(seq, reason)
-        seq.metrics.finished_time = now
-
     # -- outputs --------------------------------------------------------------------------------------------------
     def stream(self, request_id) -> Iterator[int]:
         """Yield ``request_id``'s tokens as they are produced, stepping the engine (and so every request) as needed."""
@@ -286,10 +332,6 @@ class LLMEngine:
                 yield pending.pop(0)
             if seq.is_finished:
                 return
-            self.step()
-
-    def run_until_done(self) -> None:
-        while self.has_unfinished():
             self.step()
 
     def generate_many(self, requests: Iterable[Request]) -> list[RequestOutput]:

@@ -11,6 +11,8 @@ Policy (vLLM's, without chunked prefill):
 2. **Waiting sequences are admitted first come, first served** while there is a free place
    (``max_num_seqs``), the step's token budget (``max_num_batched_tokens``) holds their whole prompt, and the store
    can allocate it. The queue's head blocks the rest (strict FCFS). Nothing is admitted in a step that preempted.
+   The policy is one method, ``Scheduler.admit``: a subclass can admit in another order (vLLM's
+   ``scheduler_cls``; ``LLMEngine(scheduler_cls=...)``).
 
 A request that could never run, even alone — longer than the context, than one sequence's room in the store, or
 than the token budget — is refused when it arrives (``check_fits``), instead of waiting forever.
@@ -107,6 +109,8 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """This step's plan: every running sequence decodes one token (the newest are preempted if the store has
+        no room), then the admission policy lets waiting sequences in with their whole prompt (prefill)."""
         out = SchedulerOutput()
         # 1. decodes: every running sequence feeds its last token, if the store can hold one more
         i = 0
@@ -125,17 +129,14 @@ class Scheduler:
                 out.num_decode_seqs += 1
                 out.num_batched_tokens += 1
                 i += 1
-        # 2. prefills: admit from the front of the queue, first come first served
+        # 2. prefills: the admission policy picks waiting sequences, the store must have room for each
         if not out.preempted:
-            lens = [s.num_uncomputed_tokens for s in islice(self.waiting, self.max_num_seqs - len(self.running))]
-            for _ in range(num_to_admit(lens, len(self.running), self.max_num_seqs, out.num_batched_tokens,
-                                        self.max_num_batched_tokens)):
-                seq = self.waiting[0]
+            for seq in self.admit(out.num_batched_tokens):
                 n = seq.num_uncomputed_tokens  # the prompt, plus the outputs so far after a preemption
                 if not self.store.can_allocate(n):
-                    break  # no KV room for the head of the queue: it waits, and so does everyone behind it
+                    break  # no KV room for it: it waits, and so does everyone the policy put after it
                 self.store.allocate(seq.seq_id, n)
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(seq)
@@ -144,6 +145,14 @@ class Scheduler:
         assert len(self.running) <= self.max_num_seqs
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         return out
+
+    def admit(self, num_batched_tokens: int) -> list[Sequence]:
+        """The admission policy: the waiting sequences that join this step, in the order they join, given that
+        the step's decodes already use ``num_batched_tokens`` of the budget. First come, first served
+        (``num_to_admit``); a subclass may choose others, within ``max_num_seqs`` and ``max_num_batched_tokens``."""
+        lens = [s.num_uncomputed_tokens for s in islice(self.waiting, self.max_num_seqs - len(self.running))]
+        n = num_to_admit(lens, len(self.running), self.max_num_seqs, num_batched_tokens, self.max_num_batched_tokens)
+        return list(islice(self.waiting, n))
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, queue it first (``requeue``), and count it."""

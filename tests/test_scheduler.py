@@ -261,3 +261,54 @@ def test_num_to_admit_is_fcfs_with_places_and_budget():
     assert num_to_admit([2, 2], 3, 4, 0, 100) == 1  # one place left
     assert num_to_admit([3], 0, 4, 8, 10) == 0  # decodes already used 8 of 10 tokens
     assert num_to_admit([], 0, 4, 0, 10) == 0
+
+
+class ShortestFirst(Scheduler):
+    """Another admission policy, as a learner writes one: shortest prompt first, within the same two budgets."""
+
+    def admit(self, num_batched_tokens):
+        from gpt2_core.scheduler import num_to_admit
+
+        queue = sorted(self.waiting, key=lambda s: s.num_uncomputed_tokens)
+        lens = [s.num_uncomputed_tokens for s in queue]
+        return queue[:num_to_admit(lens, len(self.running), self.max_num_seqs, num_batched_tokens,
+                                   self.max_num_batched_tokens)]
+
+
+def test_a_subclass_admits_in_its_own_order_and_the_store_decides_as_before():
+    store = ContiguousKVStore(TINY, num_slots=2, max_len=16)
+    sched = ShortestFirst(store, max_num_seqs=3, max_num_batched_tokens=10)
+    for s in [make_seq(0, 7), make_seq(1, 2), make_seq(2, 5), make_seq(3, 1)]:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.scheduled] == [3, 1]  # 1 + 2 + 5 tokens fit, but the store has 2 slots
+    assert [s.seq_id for s in sched.waiting] == [0, 2] and sorted(store.slot_of) == [1, 3]
+    assert out.num_batched_tokens == 3 and out.num_prefill_seqs == 2
+
+
+def test_the_engine_takes_a_scheduler_class_and_every_request_keeps_its_chapter_2_tokens():
+    rng = np.random.default_rng(3)
+    requests = [Request(i, rng.integers(0, TINY.vocab_size, size=int(rng.integers(1, 9))).tolist(),
+                        max_new_tokens=int(rng.integers(1, 6)), stop_at_eos=False) for i in range(9)]
+    engine = LLMEngine(MODEL, max_num_seqs=3, max_num_batched_tokens=12, max_len=16, scheduler_cls=ShortestFirst)
+    assert type(engine.scheduler) is ShortestFirst
+    outs = engine.generate_many(requests)
+    assert [o.output_token_ids for o in outs] == [greedy_alone(r) for r in requests]
+    start = engine.step_stats[0].start_time
+    first_step = sorted(s.num_prompt_tokens for s in engine.sequences.values()
+                        if s.metrics.first_scheduled_time == start)
+    n = engine.step_stats[0].num_prefill_seqs
+    assert n == len(first_step) >= 2 and first_step == sorted(len(r.prompt_token_ids) for r in requests)[:n]
+
+
+def test_a_policy_that_breaks_a_budget_is_stopped_before_the_model_runs():
+    class Greedy(Scheduler):
+        def admit(self, num_batched_tokens):
+            return list(self.waiting)  # everyone, whatever the budgets
+
+    store = ContiguousKVStore(TINY, num_slots=4, max_len=16)
+    sched = Greedy(store, max_num_seqs=4, max_num_batched_tokens=6)
+    for s in [make_seq(0, 4), make_seq(1, 4)]:
+        sched.add(s)
+    with pytest.raises(AssertionError):
+        sched.schedule()
