@@ -78,7 +78,6 @@ DELEGATING = {
     "attention_by_rows": "def attention_by_rows(q, k, v):\n    return attention(q, k, v)",
     "padding_mask": "def padding_mask(key_mask, num_queries):\n"
                     "    return left_padding_attention_mask(key_mask, num_queries)",
-    "fcfs_admit": "def fcfs_admit(*args):\n    return num_to_admit(*args)",
     "allocator_free": "class MyBlockAllocator(BlockAllocator):\n"
                       "    def free(self, block: int) -> None:\n        super().free(block)",
     "internal_fragmentation": "def internal_fragmentation(lengths, block_size):\n"
