@@ -49,8 +49,10 @@ def download(name: str, revision: str | None = None) -> Path:
         pass
     try:
         # One HEAD request without retries first, so being offline is reported at once rather than after the
-        # ~30 s of retries hf_hub_download makes on a network error.
-        hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, CONFIG, revision=revision))
+        # ~30 s of retries hf_hub_download makes on a network error (get_hf_file_metadata retries too in 0.31-0.36).
+        url = hf.hf_hub_url(repo_id, CONFIG, revision=revision)
+        hf.utils.hf_raise_for_status(hf.utils.http_backoff("HEAD", url, max_retries=0,
+                                                            headers=hf.utils.build_hf_headers()))
         return _fetch(hf, hf_errors, repo_id, revision, local_files_only=False)
     except CheckpointError:
         raise

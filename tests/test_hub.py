@@ -256,11 +256,25 @@ def test_repo_without_config(hub_env, hub_names):
         hub.download("someone/weights-only")
 
 
-def test_hf_hub_offline_is_named(hub_env, hub_names, monkeypatch):
-    hub_env({"openai-community/gpt2": NEW_REPO}).stop()  # (0.x reads HF_HUB_OFFLINE once, at import)
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(CheckpointError, match=r"could not be reached \(HF_HUB_OFFLINE is set\)"):
-        hub.download("gpt2")
+@pytest.mark.parametrize("names", ["installed", "0.x names"])
+def test_hf_hub_offline_is_named(names, tmp_path):
+    """HF_HUB_OFFLINE=1 set before huggingface_hub is imported, as a user sets it (a fresh process: huggingface_hub
+    reads it at import, and its HTTP sessions keep it)."""
+    as_0x = ("import huggingface_hub as hf, huggingface_hub.errors, huggingface_hub.file_download\n"
+             "hf.is_offline_mode = None\n"
+             "if hasattr(hf.errors, 'RemoteEntryNotFoundError'):\n"
+             "    del hf.errors.RemoteEntryNotFoundError\n") if names == "0.x names" else ""
+    code = as_0x + ("from gpt2_core import hub\n"
+                    "try:\n"
+                    "    hub.download('gpt2')\n"
+                    "except Exception as e:\n"
+                    "    print(type(e).__name__, e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "empty"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("CheckpointError could not fetch the files of 'gpt2'")
+    assert "the Hub could not be reached (HF_HUB_OFFLINE is set) and they are not in the local cache" in out.stdout
 
 
 def test_offline_with_empty_cache_fails_fast(hub_env, hub_names):
