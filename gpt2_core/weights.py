@@ -303,7 +303,7 @@ def _read_shards(index: Path) -> dict[str, np.ndarray]:
 def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
     """Load a GPT-2 checkpoint.
 
-    * ``None``: the small model embedded in ``data/embedded`` (works offline);
+    * ``None``: the small model that ships inside the package, ``EMBEDDED_MODEL_DIR`` (works offline);
     * a directory in HF layout (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``);
     * a hub name (``"gpt2"``, ``"gpt2-xl"``, ``"openai-community/gpt2"``, ``"distilgpt2"``): downloaded once into
       the HF cache with ``huggingface_hub`` (``pip install 'gpt2-numpy[hub]'``).
@@ -329,8 +329,8 @@ def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
     else:
         state_dict, weights_file = read_state_dict(directory)
     params = params_from_state_dict(state_dict, config, source=str(weights_file))
-    tokenizer = tokenizer_for_directory(directory) or _gpt2_tokenizer_if_fits(
-        config, f"no tokenizer found beside the checkpoint in {directory} (tokenizer.json, or vocab.json + merges.txt)")
+    none_here = f"no tokenizer found beside the checkpoint in {directory} (tokenizer.json, or vocab.json + merges.txt)"
+    tokenizer = tokenizer_for_directory(directory) or _gpt2_tokenizer_if_fits(config, none_here, none_here)
     if tokenizer and tokenizer.vocab_size > config.vocab_size:  # its ids must all be rows of wte
         raise CheckpointError(f"{tokenizer.source}: tokenizer has token ids up to {tokenizer.vocab_size - 1} but the "
                               f"model's vocab_size is {config.vocab_size}")
@@ -373,15 +373,17 @@ def _read_single_file(path: Path) -> dict[str, np.ndarray]:
     raise CheckpointError(f"{path}: not a checkpoint file (expected .safetensors or .bin)")
 
 
-def _gpt2_tokenizer_if_fits(config: GPT2Config, otherwise: str) -> Tokenizer | MissingTokenizer:
-    """GPT-2's own tokenizer (shipped in the package's data) for a model with GPT-2's vocabulary; for any other
-    vocabulary a ``MissingTokenizer`` that says ``otherwise``."""
+def _gpt2_tokenizer_if_fits(config: GPT2Config, no_tokenizer: str, other_vocab: str) -> Tokenizer | MissingTokenizer:
+    """GPT-2's own tokenizer (shipped in the package's data) for a model with GPT-2's vocabulary and none of its own;
+    else a ``MissingTokenizer`` that says why: ``other_vocab`` for any other vocabulary, ``no_tokenizer`` and where
+    GPT-2's should have been if that file is missing."""
     if config.vocab_size != 50257:
-        return MissingTokenizer(otherwise)
+        return MissingTokenizer(other_vocab)
     if not GPT2_TOKENIZER_FILE.is_file():
         where = "GPT2_CORE_DATA names a folder without it" if os.environ.get("GPT2_CORE_DATA") else (
             "reinstall gpt2-numpy, or rebuild it with data/build_gpt2_tokenizer.py")
-        return MissingTokenizer(f"{otherwise}, and GPT-2's own tokenizer is missing: {GPT2_TOKENIZER_FILE} ({where})")
+        return MissingTokenizer(f"{no_tokenizer}; its vocabulary is GPT-2's, but GPT-2's own tokenizer is missing: "
+                                f"{GPT2_TOKENIZER_FILE} ({where})")
     return Tokenizer.from_file(GPT2_TOKENIZER_FILE)
 
 
@@ -407,8 +409,9 @@ def random_model(name_or_config: str | GPT2Config = "gpt2", seed: int = 0) -> GP
             flat[key] = in_memory_order(key, rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02))
     name = name_or_config if isinstance(name_or_config, str) else "custom config"
     source = f"random({name})"
-    tokenizer = _gpt2_tokenizer_if_fits(config, f"{source} has vocab_size={config.vocab_size}, not GPT-2's 50,257, "
-                                                "and no tokenizer; it takes token ids, not text")
+    tokenizer = _gpt2_tokenizer_if_fits(config, f"{source} has no tokenizer of its own",
+                                        f"{source} has vocab_size={config.vocab_size}, not GPT-2's 50,257, and no "
+                                        "tokenizer: it takes token ids, not text")
     return GPT2Model(config, _nest(flat, config.n_layer), tokenizer, source=source)
 
 
