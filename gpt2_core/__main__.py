@@ -4,36 +4,43 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 
 from .errors import GPT2Error
 
 
 def _generate(args) -> int:
+    from .generation import check_generation
+    from .sampling import SamplingParams
     from .weights import load_model
 
     model = load_model(args.model)
-    if model.tokenizer is None:
-        raise GPT2Error(f"{model.source}: no tokenizer found beside the checkpoint (tokenizer.json)")
     stream = _engine(args.engine)
-    prompt_ids = model.tokenizer.encode(args.prompt)
-    from .generation import check_generation
-    from .sampling import SamplingParams
-
+    prompt_ids = model.tokenizer.encode(args.prompt)  # a model without a tokenizer says so here
     check_generation(model, prompt_ids, args.max_new_tokens)  # bad input is reported before any output
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    ignored = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
-    if args.temperature == 0 and ignored:
-        print(f"note: {', '.join(ignored)} only apply when sampling (--temperature > 0); decoding greedily",
-              file=sys.stderr)
-    tokens = stream(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed)
+    given = {n: getattr(args, n) for n in ("temperature", "top_k", "top_p") if getattr(args, n) is not None}
+    sampling = {**model.sampling_defaults, **given}  # the model's generation_config.json, then the flags
+    SamplingParams(**sampling, seed=args.seed)  # bad values are reported before any output
+    seed = args.seed
+    if sampling["temperature"] == 0:
+        ignored = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
+        if ignored:
+            print(f"note: {', '.join(ignored)} only apply when sampling (--temperature > 0); decoding greedily",
+                  file=sys.stderr)
+    elif seed is None:
+        seed = secrets.randbelow(1_000_000)  # printed at the end, so that the run can be repeated
+    tokens = stream(model, prompt_ids, args.max_new_tokens, **sampling, seed=seed)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     for piece in model.tokenizer.decode_stream(tokens):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if sampling["temperature"] > 0 and args.seed is None:
+        print(f"(sampled with seed {seed}: add --seed {seed} to repeat this text, --temperature 0 for greedy)",
+              file=sys.stderr)
     return 0
 
 
@@ -68,13 +75,14 @@ def main(argv=None) -> int:
     g.add_argument("prompt")
     g.add_argument("--max-new-tokens", type=int, default=50)
     g.add_argument("--model", default=None, help="directory, .safetensors/.bin file or hub name "
-                                                 "(default: the embedded model in data/embedded)")
+                                                 "(default: the embedded model, gpt2_core/data/embedded)")
     g.add_argument("--engine", choices=["naive", "kv"], default="kv",
                    help="naive = recompute the sequence each step (chapter 1); kv = KV cache (chapter 2)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the model's generation_config.json (the embedded model samples)")
+    g.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config.json")
+    g.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config.json")
+    g.add_argument("--seed", type=int, default=None, help="default: a random seed, printed after the text")
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a benchmark (GPT-2 124M-shaped random weights)")

@@ -49,8 +49,10 @@ def download(name: str, revision: str | None = None) -> Path:
         pass
     try:
         # One HEAD request without retries first, so being offline is reported at once rather than after the
-        # ~30 s of retries hf_hub_download makes on a network error.
-        hf.get_hf_file_metadata(hf.hf_hub_url(repo_id, CONFIG, revision=revision))
+        # ~30 s of retries hf_hub_download makes on a network error (get_hf_file_metadata retries too in 0.31-0.36).
+        url = hf.hf_hub_url(repo_id, CONFIG, revision=revision)
+        hf.utils.hf_raise_for_status(hf.utils.http_backoff("HEAD", url, max_retries=0,
+                                                            headers=hf.utils.build_hf_headers()))
         return _fetch(hf, hf_errors, repo_id, revision, local_files_only=False)
     except CheckpointError:
         raise
@@ -58,15 +60,16 @@ def download(name: str, revision: str | None = None) -> Path:
         reason = "there is no such repository on the Hub (or it is private or gated: log in with `hf auth login`)"
     except hf_errors.RevisionNotFoundError:
         reason = f"the repository has no revision {revision!r}"
-    except hf_errors.RemoteEntryNotFoundError:
-        reason = f"the repository has no {CONFIG}, so it is not a model in Hugging Face layout"
+    except _remote_entry_not_found(hf_errors) as e:
+        if isinstance(e, hf_errors.LocalEntryNotFoundError):  # huggingface_hub 0.x: the Hub was not reached
+            reason = _unreachable(hf, e)
+        else:
+            reason = f"the repository has no {CONFIG}, so it is not a model in Hugging Face layout"
     except Exception as e:  # no network, HF_HUB_OFFLINE=1, a proxy, the Hub down, ...
         if "consistency check" in str(e).lower():  # the Hub answered, but a file arrived cut short
             raise CheckpointError(f"the download of {name!r} from the Hugging Face Hub was incomplete "
                                   f"({str(e).splitlines()[0]}); run the same command again to retry") from None
-        offline = " (HF_HUB_OFFLINE is set)" if hf.is_offline_mode() else ""
-        reason = (f"the Hub could not be reached{offline} and they are not in the local cache "
-                  f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        reason = _unreachable(hf, e)
     alias = f" ({repo_id})" if repo_id != name else ""
     folder = repo_id.split("/")[-1]
     raise CheckpointError(
@@ -78,12 +81,32 @@ def download(name: str, revision: str | None = None) -> Path:
     )
 
 
+def _unreachable(hf, e: Exception) -> str:
+    offline = " (HF_HUB_OFFLINE is set)" if _offline_mode(hf) else ""
+    return (f"the Hub could not be reached{offline} and they are not in the local cache "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
+
+# huggingface_hub 0.x and 1.x name two things differently; both are supported (the CI runs the floor, 0.30):
+def _remote_entry_not_found(hf_errors) -> type[Exception]:
+    """The error for a file the repository does not have: ``RemoteEntryNotFoundError`` from 1.0 on; in 0.x,
+    ``EntryNotFoundError``, of which ``LocalEntryNotFoundError`` (a file neither in the cache nor reachable) is a
+    subclass there, so callers tell the two apart with ``isinstance``."""
+    return getattr(hf_errors, "RemoteEntryNotFoundError", None) or hf_errors.EntryNotFoundError
+
+
+def _offline_mode(hf) -> bool:
+    """``HF_HUB_OFFLINE``: ``huggingface_hub.is_offline_mode()`` from 1.0 on, ``constants.HF_HUB_OFFLINE`` in 0.x."""
+    is_offline_mode = getattr(hf, "is_offline_mode", None)
+    return bool(is_offline_mode() if is_offline_mode else hf.constants.HF_HUB_OFFLINE)
+
+
 def _fetch(hf, hf_errors, repo_id: str, revision: str | None, local_files_only: bool) -> Path:
     def get(filename: str, rev: str | None) -> Path:  # hf_hub_download shows its own progress bar
         return Path(hf.hf_hub_download(repo_id, filename, revision=rev, local_files_only=local_files_only))
 
     # "not in the cache" or "not in the repo"; a network error must not be mistaken for a missing file
-    missing = hf_errors.LocalEntryNotFoundError if local_files_only else hf_errors.RemoteEntryNotFoundError
+    missing = hf_errors.LocalEntryNotFoundError if local_files_only else _remote_entry_not_found(hf_errors)
     snapshot = get(CONFIG, revision).parent  # .../snapshots/<commit>/
     commit = snapshot.name  # take the other files from the very same commit, so they land in the same folder
     for what, alternatives in (("weights", WEIGHTS), ("tokenizer", TOKENIZER)):
@@ -92,7 +115,9 @@ def _fetch(hf, hf_errors, repo_id: str, revision: str | None, local_files_only: 
                 for filename in filenames:
                     get(filename, commit)
                 break
-            except missing:
+            except missing as e:
+                if not local_files_only and isinstance(e, hf_errors.LocalEntryNotFoundError):
+                    raise  # huggingface_hub 0.x: a network error, not a missing file
                 if i == len(alternatives) - 1:
                     if local_files_only:
                         raise

@@ -65,6 +65,24 @@ def sampling_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' GenerationConfig
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """``generate``'s ``temperature``, ``top_k`` and ``top_p`` from HF generation settings (a model's
+    ``generation_config.json``): greedy unless ``do_sample`` is true; then the settings given, and HF's defaults
+    (temperature 1, top_k 50, top_p 1) for those not given or null. Checked as ``SamplingParams`` checks them."""
+    do_sample = generation_config.get("do_sample")
+    if not (do_sample is None or isinstance(do_sample, bool)):
+        raise InvalidInputError(f"do_sample must be true or false, got {do_sample!r}")
+    if not do_sample:
+        return {"temperature": 0.0, "top_k": None, "top_p": None}
+    given = {name: value for name, value in generation_config.items() if value is not None}  # null: not set
+    chosen = {name: given.get(name, default) for name, default in HF_SAMPLING_DEFAULTS.items()}
+    params = SamplingParams(**chosen)  # InvalidInputError for a value generate would refuse
+    return {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+
+
 def sampling_params_of(p) -> SamplingParams:
     """``SamplingParams`` from what a request or a row was given: params, a dict of them, or None (greedy)."""
     if p is None or isinstance(p, SamplingParams):

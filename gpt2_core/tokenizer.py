@@ -98,6 +98,33 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, source={self.source!r})"
 
 
+class MissingTokenizer:
+    """The tokenizer of a model that has none (``random_model`` of a custom shape, a checkpoint folder without
+    tokenizer files): encoding or decoding text raises a ``CheckpointError`` that says why, instead of an
+    ``AttributeError`` on ``None``. False in a boolean test. Token ids work without it."""
+
+    eos_token_id = None
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.source = ""
+
+    def _fail(self, *args, **kwargs):
+        raise CheckpointError(self.reason)
+
+    encode = decode = decode_stream = _fail
+
+    @property
+    def vocab_size(self) -> int:
+        self._fail()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"MissingTokenizer({self.reason!r})"
+
+
 def tokenizer_for_directory(directory: Path) -> Tokenizer | None:
     """The tokenizer stored beside a checkpoint: ``tokenizer.json``, else ``vocab.json`` + ``merges.txt``."""
     if (directory / "tokenizer.json").is_file():

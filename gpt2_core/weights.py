@@ -16,18 +16,23 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 
 from .config import PRESETS, GPT2Config, preset
 from .errors import BAD_JSON, CheckpointError, InvalidInputError, is_integer
-from .tokenizer import Tokenizer, tokenizer_for_directory
+from .sampling import sampling_defaults
+from .tokenizer import MissingTokenizer, Tokenizer, tokenizer_for_directory
 
-DATA_DIR = Path(os.environ.get("GPT2_CORE_DATA", Path(__file__).resolve().parent.parent / "data"))
-EMBEDDED_MODEL_DIR = DATA_DIR / "embedded"
-GPT2_TOKENIZER_FILE = DATA_DIR / "gpt2_tokenizer" / "tokenizer.json"
+# The files the package reads at run time travel inside it (gpt2_core/data, in the wheel too), found with
+# importlib.resources however the package was installed; GPT2_CORE_DATA names another folder of the same layout.
+# They are built and documented in the repository's data/ (data/README.md).
+DATA_DIR = Path(os.environ.get("GPT2_CORE_DATA") or files(__package__).joinpath("data"))
+EMBEDDED_MODEL_DIR = DATA_DIR / "embedded"  # the small model of every chapter (config, weights, tokenizer)
+GPT2_TOKENIZER_FILE = DATA_DIR / "gpt2_tokenizer" / "tokenizer.json"  # GPT-2's own 50,257-token tokenizer
 
 FLOAT_DTYPES = (np.float32, np.float16)  # bf16 arrives already widened to float32 by the readers
 BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in older checkpoints
@@ -35,12 +40,26 @@ BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in 
 
 @dataclass
 class GPT2Model:
-    """A config, the parameters (nested dicts of float32 arrays) and, when known, the tokenizer."""
+    """A config, the parameters (nested dicts of float32 arrays), the tokenizer, and the sampling defaults of the
+    checkpoint's ``generation_config.json``.
+
+    ``tokenizer`` is a ``MissingTokenizer`` when the model has none (a random model of a custom shape, a folder
+    without tokenizer files): token ids work, text raises a ``CheckpointError`` saying why. ``sampling_defaults``
+    holds ``generate``'s keyword arguments ``temperature``, ``top_k`` and ``top_p`` as the checkpoint sets them
+    (``sampling.sampling_defaults``; greedy when it sets none): ``generate(model, ids, 40, **model.sampling_defaults,
+    seed=0)`` samples as the model's authors meant, as HF's text-generation pipeline and our CLI do.
+    """
 
     config: GPT2Config
     params: dict
-    tokenizer: Tokenizer | None = None
+    tokenizer: Tokenizer | MissingTokenizer | None = None  # None is replaced by a MissingTokenizer
     source: str = ""
+    sampling_defaults: dict = field(default_factory=lambda: sampling_defaults({}))
+
+    def __post_init__(self):
+        if self.tokenizer is None:
+            self.tokenizer = MissingTokenizer(f"{self.source or 'this model'} was made without a tokenizer; it takes "
+                                              "token ids, not text")
 
     def check_tokens(self, token_ids) -> np.ndarray:
         """``token_ids`` as an int64 array [T], or an ``InvalidInputError`` naming what is wrong."""
@@ -230,7 +249,7 @@ def _read_shards(index: Path) -> dict[str, np.ndarray]:
 def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
     """Load a GPT-2 checkpoint.
 
-    * ``None``: the small model embedded in ``data/embedded`` (works offline);
+    * ``None``: the small model that ships inside the package, ``EMBEDDED_MODEL_DIR`` (works offline);
     * a directory in HF layout (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``);
     * a hub name (``"gpt2"``, ``"gpt2-xl"``, ``"openai-community/gpt2"``, ``"distilgpt2"``): downloaded once into
       the HF cache with ``huggingface_hub`` (``pip install 'gpt2-numpy[hub]'``).
@@ -238,7 +257,9 @@ def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
     if name_or_path is None:
         path = EMBEDDED_MODEL_DIR
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path}: the embedded model is missing (see data/README.md to rebuild it)")
+            where = "GPT2_CORE_DATA names a folder without it" if os.environ.get("GPT2_CORE_DATA") else (
+                "reinstall gpt2-numpy, or rebuild it as data/README.md says")
+            raise CheckpointError(f"{path}: the embedded model is missing ({where})")
     else:
         path = Path(name_or_path)
         if not path.exists():
@@ -254,11 +275,36 @@ def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
     else:
         state_dict, weights_file = read_state_dict(directory)
     params = params_from_state_dict(state_dict, config, source=str(weights_file))
-    tokenizer = tokenizer_for_directory(directory) or _gpt2_tokenizer_if_fits(config)
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:  # its ids must all be rows of wte
+    none_here = f"no tokenizer found beside the checkpoint in {directory} (tokenizer.json, or vocab.json + merges.txt)"
+    tokenizer = tokenizer_for_directory(directory) or _gpt2_tokenizer_if_fits(config, none_here, none_here)
+    if tokenizer and tokenizer.vocab_size > config.vocab_size:  # its ids must all be rows of wte
         raise CheckpointError(f"{tokenizer.source}: tokenizer has token ids up to {tokenizer.vocab_size - 1} but the "
                               f"model's vocab_size is {config.vocab_size}")
-    return GPT2Model(config, params, tokenizer, source=str(weights_file))
+    return GPT2Model(config, params, tokenizer, source=str(weights_file),
+                     sampling_defaults=read_sampling_defaults(directory))
+
+
+def read_sampling_defaults(directory: Path) -> dict:
+    """``generate``'s sampling keyword arguments as a checkpoint folder sets them: its ``generation_config.json``,
+    overlaid with ``config.json``'s ``task_specific_params["text-generation"]``, as HF's text-generation pipeline
+    does (GPT-2's own config sets ``do_sample`` there). Greedy when neither sets ``do_sample``."""
+    settings = {}
+    file = directory / "generation_config.json"
+    if file.is_file():
+        try:
+            settings = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, *BAD_JSON) as e:
+            raise CheckpointError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
+        if not isinstance(settings, dict):
+            raise CheckpointError(f"{file}: expected a JSON object, got {type(settings).__name__}")
+    task = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("task_specific_params")
+    if isinstance(task, dict) and isinstance(task.get("text-generation"), dict):
+        settings = {**settings, **task["text-generation"]}
+    try:
+        return sampling_defaults(settings)
+    except InvalidInputError as e:
+        raise CheckpointError(f"{directory}: generation_config.json (or config.json's task_specific_params): "
+                              f"{e}") from None
 
 
 def _read_single_file(path: Path) -> dict[str, np.ndarray]:
@@ -273,11 +319,18 @@ def _read_single_file(path: Path) -> dict[str, np.ndarray]:
     raise CheckpointError(f"{path}: not a checkpoint file (expected .safetensors or .bin)")
 
 
-def _gpt2_tokenizer_if_fits(config: GPT2Config) -> Tokenizer | None:
-    """GPT-2's own tokenizer (shipped in data/) for a model with GPT-2's vocabulary."""
-    if config.vocab_size == 50257 and GPT2_TOKENIZER_FILE.is_file():
-        return Tokenizer.from_file(GPT2_TOKENIZER_FILE)
-    return None
+def _gpt2_tokenizer_if_fits(config: GPT2Config, no_tokenizer: str, other_vocab: str) -> Tokenizer | MissingTokenizer:
+    """GPT-2's own tokenizer (shipped in the package's data) for a model with GPT-2's vocabulary and none of its own;
+    else a ``MissingTokenizer`` that says why: ``other_vocab`` for any other vocabulary, ``no_tokenizer`` and where
+    GPT-2's should have been if that file is missing."""
+    if config.vocab_size != 50257:
+        return MissingTokenizer(other_vocab)
+    if not GPT2_TOKENIZER_FILE.is_file():
+        where = "GPT2_CORE_DATA names a folder without it" if os.environ.get("GPT2_CORE_DATA") else (
+            "reinstall gpt2-numpy, or rebuild it with data/build_gpt2_tokenizer.py")
+        return MissingTokenizer(f"{no_tokenizer}; its vocabulary is GPT-2's, but GPT-2's own tokenizer is missing: "
+                                f"{GPT2_TOKENIZER_FILE} ({where})")
+    return Tokenizer.from_file(GPT2_TOKENIZER_FILE)
 
 
 def random_model(name_or_config: str | GPT2Config = "gpt2", seed: int = 0) -> GPT2Model:
@@ -301,7 +354,11 @@ def random_model(name_or_config: str | GPT2Config = "gpt2", seed: int = 0) -> GP
         else:
             flat[key] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
     name = name_or_config if isinstance(name_or_config, str) else "custom config"
-    return GPT2Model(config, _nest(flat, config.n_layer), _gpt2_tokenizer_if_fits(config), source=f"random({name})")
+    source = f"random({name})"
+    tokenizer = _gpt2_tokenizer_if_fits(config, f"{source} has no tokenizer of its own",
+                                        f"{source} has vocab_size={config.vocab_size}, not GPT-2's 50,257, and no "
+                                        "tokenizer: it takes token ids, not text")
+    return GPT2Model(config, _nest(flat, config.n_layer), tokenizer, source=source)
 
 
 __all__ = ["GPT2Model", "load_model", "random_model", "params_from_state_dict", "expected_shapes", "PRESETS"]

@@ -11,8 +11,9 @@ import numpy as np
 from gpt2_core import GPT2Config, random_model
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "data"
+DATA = ROOT / "data"  # build scripts, the random models' references, benchmarks, traces
 REFERENCE = DATA / "reference"
+PACKAGE_DATA = ROOT / "gpt2_core" / "data"  # what the package reads at run time (in the wheel too)
 
 TINY = GPT2Config(vocab_size=101, n_positions=16, n_embd=24, n_head=3, n_layer=2, eos_token_id=100)
 

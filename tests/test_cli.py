@@ -16,12 +16,15 @@ def run(*args, timeout=120):
 
 
 def test_generate_with_the_embedded_model_both_engines_agree():
-    kv = run("generate", "It is a truth universally acknowledged", "--max-new-tokens", "20")
-    naive = run("generate", "It is a truth universally acknowledged", "--max-new-tokens", "20", "--engine", "naive")
-    assert kv.returncode == 0, kv.stderr
-    assert kv.stdout.startswith("It is a truth universally acknowledged")
-    assert len(kv.stdout) > len("It is a truth universally acknowledged") + 20
-    assert kv.stdout == naive.stdout
+    for how in (("--seed", "0"), ("--temperature", "0")):  # sampled with the model's settings; greedy
+        kv = run("generate", "It is a truth universally acknowledged", "--max-new-tokens", "20", *how)
+        naive = run("generate", "It is a truth universally acknowledged", "--max-new-tokens", "20", "--engine",
+                    "naive", *how)
+        assert kv.returncode == 0, kv.stderr
+        assert kv.stdout.startswith("It is a truth universally acknowledged")
+        assert len(kv.stdout) > len("It is a truth universally acknowledged") + 20
+        assert kv.stdout == naive.stdout
+        assert kv.stderr == naive.stderr == ""  # a seed given, or greedy: nothing to report
 
 
 def test_sampling_flags_and_seed_are_reproducible():
@@ -43,7 +46,8 @@ def test_bad_input_is_a_one_line_error(tmp_path):
 def test_a_checkpoint_without_tokenizer_is_refused_clearly(tmp_path):
     write_checkpoint(tmp_path, tiny_model())
     r = run("generate", "Emma", "--model", str(tmp_path))
-    assert r.returncode == 2 and "no tokenizer found" in r.stderr
+    assert r.returncode == 2 and f"no tokenizer found beside the checkpoint in {tmp_path}" in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
 
 
 def test_bench_writes_json_with_the_documented_shape(tmp_path):

@@ -1,4 +1,4 @@
-"""The committed files in data/: tokenizers, checkpoints, reference outputs. No torch needed.
+"""The committed data files (gpt2_core/data and data/): tokenizers, checkpoints, reference outputs. No torch needed.
 
     python -m pytest tests/test_data_files.py
 """
@@ -14,14 +14,15 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 DATA = Path(__file__).parent.parent / "data"
-EMBEDDED = DATA / "embedded"
-GPT2_TOKENIZER = DATA / "gpt2_tokenizer" / "tokenizer.json"
+PACKAGE_DATA = Path(__file__).parent.parent / "gpt2_core" / "data"
+EMBEDDED = PACKAGE_DATA / "embedded"
+GPT2_TOKENIZER = PACKAGE_DATA / "gpt2_tokenizer" / "tokenizer.json"
 REFERENCE = DATA / "reference"
 EOT = "<|endoftext|>"
 
 MODEL_DIRS = [EMBEDDED, REFERENCE / "random_h3_e96", REFERENCE / "random_l1_bin", REFERENCE / "random_fp16"]
 SAFETENSORS_DIRS = [EMBEDDED, REFERENCE / "random_h3_e96", REFERENCE / "random_fp16"]
-REFERENCE_FILES = [(REFERENCE / "embedded.npz", EMBEDDED)] + [
+REFERENCE_FILES = [(PACKAGE_DATA / "reference" / "embedded.npz", EMBEDDED)] + [
     (d / "reference.npz", d) for d in MODEL_DIRS[1:]]
 
 ROUND_TRIP = [

@@ -154,7 +154,10 @@ def hub_env(tmp_path, monkeypatch):
         servers.append(fake)
         c = hf_constants
         monkeypatch.setattr(c, "ENDPOINT", fake.url)
-        monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", fake.url + "/{repo_id}/resolve/{revision}/{filename}")
+        template = fake.url + "/{repo_id}/resolve/{revision}/{filename}"
+        monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+        from huggingface_hub import file_download  # 0.x copies the template when this module is first imported
+        monkeypatch.setattr(file_download, "HUGGINGFACE_CO_URL_TEMPLATE", template, raising=False)
         return fake
 
     c = hf_constants
@@ -171,11 +174,24 @@ def hub_env(tmp_path, monkeypatch):
         fake.stop()
 
 
+@pytest.fixture(params=["installed", "0.x names"])
+def hub_names(request, monkeypatch):
+    """huggingface_hub as installed, and as 0.x names things: no ``errors.RemoteEntryNotFoundError`` (a file missing
+    from the repo is an ``EntryNotFoundError``, of which ``LocalEntryNotFoundError`` is a subclass, as in 1.x and 2.x
+    too) and no ``is_offline_mode()`` (only ``constants.HF_HUB_OFFLINE``). The classes raised are the installed ones,
+    so the second run checks that hub.py needs neither name. CI also runs this file with 0.30, the declared floor."""
+    if request.param == "0.x names":
+        monkeypatch.delattr(hf.errors, "RemoteEntryNotFoundError", raising=False)
+        monkeypatch.setattr(hf, "is_offline_mode", None, raising=False)  # a lazy attribute: cannot be deleted
+        assert issubclass(hf.errors.LocalEntryNotFoundError, hf.errors.EntryNotFoundError)
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Tests
 
 
-def test_download_then_offline_from_cache(hub_env):
+def test_download_then_offline_from_cache(hub_env, hub_names):
     fake = hub_env({"openai-community/gpt2": NEW_REPO})
     CONNECTIONS.clear()
     folder = hub.download("gpt2")  # the alias resolves to openai-community/gpt2
@@ -195,7 +211,7 @@ def test_download_then_offline_from_cache(hub_env):
     assert len(fake.requests) == n
 
 
-def test_falls_back_to_pytorch_bin_and_vocab_merges(hub_env):
+def test_falls_back_to_pytorch_bin_and_vocab_merges(hub_env, hub_names):
     fake = hub_env({"someone/old-gpt2": OLD_REPO})
     folder = hub.download("someone/old-gpt2")
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "merges.txt", "pytorch_model.bin", "vocab.json"]
@@ -219,7 +235,7 @@ def assert_helpful(msg: str, name: str, repo_id: str):
     assert f'load_model("path/to/{folder}")' in msg
 
 
-def test_unknown_repo(hub_env):
+def test_unknown_repo(hub_env, hub_names):
     hub_env({"openai-community/gpt2": NEW_REPO})
     with pytest.raises(CheckpointError) as info:
         hub.download("nobody/nothing")
@@ -227,13 +243,41 @@ def test_unknown_repo(hub_env):
     assert_helpful(str(info.value), "nobody/nothing", "nobody/nothing")
 
 
-def test_repo_without_weights(hub_env):
+def test_repo_without_weights(hub_env, hub_names):
     hub_env({"someone/configs-only": {"config.json": CONFIG}})
     with pytest.raises(CheckpointError, match=r"no weights file \(model.safetensors or pytorch_model.bin\)"):
         hub.download("someone/configs-only")
 
 
-def test_offline_with_empty_cache_fails_fast(hub_env):
+def test_repo_without_config(hub_env, hub_names):
+    hub_env({"someone/weights-only": {"model.safetensors": NEW_REPO["model.safetensors"]}})
+    with pytest.raises(CheckpointError, match="the repository has no config.json, so it is not a model in Hugging "
+                                              "Face layout"):
+        hub.download("someone/weights-only")
+
+
+@pytest.mark.parametrize("names", ["installed", "0.x names"])
+def test_hf_hub_offline_is_named(names, tmp_path):
+    """HF_HUB_OFFLINE=1 set before huggingface_hub is imported, as a user sets it (a fresh process: huggingface_hub
+    reads it at import, and its HTTP sessions keep it)."""
+    as_0x = ("import huggingface_hub as hf, huggingface_hub.errors, huggingface_hub.file_download\n"
+             "hf.is_offline_mode = None\n"
+             "if hasattr(hf.errors, 'RemoteEntryNotFoundError'):\n"
+             "    del hf.errors.RemoteEntryNotFoundError\n") if names == "0.x names" else ""
+    code = as_0x + ("from gpt2_core import hub\n"
+                    "try:\n"
+                    "    hub.download('gpt2')\n"
+                    "except Exception as e:\n"
+                    "    print(type(e).__name__, e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "empty"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("CheckpointError could not fetch the files of 'gpt2'")
+    assert "the Hub could not be reached (HF_HUB_OFFLINE is set) and they are not in the local cache" in out.stdout
+
+
+def test_offline_with_empty_cache_fails_fast(hub_env, hub_names):
     fake = hub_env({"openai-community/gpt2": NEW_REPO})
     fake.stop()
     start = time.perf_counter()
@@ -294,7 +338,7 @@ def test_load_model_by_name_end_to_end(hub_env, tmp_path):
     import gpt2_core
     from gpt2_core import GPT2Config
 
-    tokenizer = ROOT / "data" / "embedded" / "tokenizer.json"
+    tokenizer = ROOT / "gpt2_core" / "data" / "embedded" / "tokenizer.json"
     config = GPT2Config(vocab_size=4096, n_positions=32, n_embd=16, n_head=2, n_layer=1, eos_token_id=4095)
     local = write_checkpoint(tmp_path / "local", gpt2_core.random_model(config, seed=5))
     files = {name: (local / name).read_bytes() for name in ("config.json", "model.safetensors")}

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from helpers import DATA, REFERENCE, TINY, prompts, reference_dirs, tiny_model
+from helpers import PACKAGE_DATA, TINY, prompts, reference_dirs, tiny_model
 
 import gpt2_core
 from gpt2_core import model as M
@@ -102,7 +102,7 @@ def test_greedy_tokens_match_hf_for_32_steps(ref_dir):
 
 def test_embedded_model_matches_hf_transformers():
     model = gpt2_core.load_model()
-    ref = np.load(REFERENCE / "embedded.npz")
+    ref = np.load(PACKAGE_DATA / "reference" / "embedded.npz")
     worst = 0.0
     for ids, logits in prompts(ref):
         worst = max(worst, float(np.abs(gpt2_core.forward(model, ids) - logits).max()))
@@ -116,4 +116,4 @@ def test_reference_files_cover_the_layouts_the_loader_must_read():
     names = {p.name: {f.name for f in p.iterdir()} for p in reference_dirs()}
     assert any("pytorch_model.bin" in files for files in names.values())
     assert sum("model.safetensors" in files for files in names.values()) >= 2
-    assert (DATA / "embedded" / "model.safetensors").is_file()
+    assert (PACKAGE_DATA / "embedded" / "model.safetensors").is_file()

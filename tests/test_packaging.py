@@ -54,3 +54,33 @@ def test_ci_runs_the_readme_commands():
     assert test_cmd in ci, "the README's test command must be what .ci/run executes"
     run_cmd = re.search(r"<!-- run-command -->\s*```(?:bash|sh)?\n(.*?)```", readme, re.S).group(1).strip()
     assert "python -m gpt2_core generate" in run_cmd
+
+
+def floors() -> dict[str, str]:
+    """.ci/floors.txt as {normalised name: version}."""
+    lines = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "floors.txt").read_text().splitlines()]
+    pins = [re.fullmatch(r"([A-Za-z0-9_.\-]+)==([0-9.]+)", line) for line in lines if line]
+    assert all(pins), lines
+    return {normalise(m.group(1)): m.group(2) for m in pins}
+
+
+def test_floors_file_pins_every_direct_dependency_at_its_declared_lower_bound():
+    """Every requirement of the package, its hub extra and its test extra has one lower bound (>=), and
+    .ci/floors.txt pins exactly that version: CI installs these and runs the unit tests, so a floor is never a guess.
+    (The reference extra is for rebuilding data/ and is not part of it: it pins torch exactly.)"""
+    project = pyproject()
+    direct = {}
+    for text in project["dependencies"] + project["optional-dependencies"]["hub"] + \
+            project["optional-dependencies"]["test"] + project["optional-dependencies"]["classroom"]:
+        req = Requirement(text)
+        (spec,) = req.specifier  # one clause: the floor
+        assert spec.operator == ">=", f"{text}: give a lower bound (>=) and nothing else"
+        assert direct.setdefault(normalise(req.name), spec.version) == spec.version, f"{req.name}: two floors"
+    assert floors() == direct
+
+
+def test_ci_installs_the_floors_and_runs_the_unit_tests_and_the_cli_with_them():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -q -c .ci/floors.txt -e '.[test]'" in ci
+    floors_part = ci[ci.index("-c .ci/floors.txt"):]
+    assert "-m gpt2_core generate" in floors_part and "-m pytest" in floors_part and " tests/" in floors_part
