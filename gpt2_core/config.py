@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,6 +74,12 @@ class GPT2Config:
             eos = 50256  # GPT-2's <|endoftext|>
         if isinstance(eos, list):  # HF allows several end-of-sequence ids; generation stops at the first
             eos = eos[0] if eos else None
+        if eos is not None and is_integer(vocab_size, 1) and is_integer(eos) and not 0 <= eos < vocab_size:
+            # transformers' GPT2Config() sets eos_token_id = 50256 whatever the vocabulary: a small GPT-2 saved with
+            # it has an end-of-text id that can never be sampled. It loads; generation just has no token to stop at.
+            warnings.warn(f"config.json: eos_token_id={eos} is outside the vocabulary (vocab_size={vocab_size}): no "
+                          f"token can end generation early; max_new_tokens decides the length", stacklevel=3)
+            eos = None
         config = cls(
             vocab_size=vocab_size,
             n_positions=d.get("n_positions", d.get("n_ctx", 1024)),

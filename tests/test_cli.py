@@ -1,6 +1,8 @@
 """``python -m gpt2_core``: generate streams text from the embedded model; errors are one clean line."""
 
 import json
+import re
+import os
 import statistics
 import subprocess
 import sys
@@ -100,3 +102,49 @@ def test_a_reader_that_stops_early_ends_generation_quietly():
     r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.stdout == "It is a tr"
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["batching", "paged"])
+def test_bench_replays_a_trace_given_with_dash_dash_trace(tmp_path, name):
+    """The README's ``python -m gpt2_core bench batching|paged --trace PATH --json PATH``, as typed (sizes shrunk
+    by GPT2_QUICK=1): a tiny JSONL trace, prompts given by length or as text, request_id optional, is what runs."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in [
+        {"prompt_len": 12, "max_new_tokens": 6, "arrival_s": 0.0},
+        {"prompt": "It is a truth universally acknowledged", "max_new_tokens": 5, "arrival_s": 0.1},
+        {"request_id": "third", "prompt_len": 20, "max_new_tokens": 4, "arrival_s": 0.2}]) + "\n")
+    out = tmp_path / f"{name}.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2_core", "bench", name, "--trace", str(trace), "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "GPT2_QUICK": "1"})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    methods = {rec["method"] for rec in data["results"]}
+    if name == "batching":
+        assert data["workload"]["name"] == str(trace) and data["workload"]["num_requests"] == 3
+        assert data["workload"]["max_new_tokens"] == 15 and {"sequential", "static", "continuous"} <= methods
+        by = {rec["method"]: rec for rec in data["results"]}
+        assert by["sequential"]["output_tokens"] == by["continuous"]["output_tokens"] == 15
+    else:
+        assert str(trace) in data["workload"] and {"contiguous", "paged"} <= methods
+
+
+README_BENCH = re.compile(r"^python -m gpt2_core (bench [\w-]+ --json \S+)", re.M)
+
+
+@pytest.mark.parametrize("command", README_BENCH.findall((ROOT / "README.md").read_text()))
+def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
+    """Each ``python -m gpt2_core bench NAME --json FILE`` line of the README, as typed (run in a scratch folder,
+    GPT2_QUICK=1 for small sizes): exit 0, and the JSON names the benchmark and holds timed records."""
+    args = command.split()
+    r = subprocess.run([sys.executable, "-m", "gpt2_core", *args], capture_output=True, text=True, timeout=900,
+                       cwd=tmp_path, env={**os.environ, "GPT2_QUICK": "1"})
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / args[-1]).read_text())
+    assert data["benchmark"] == args[1] and data["kernels"] == "cpu_kernels.accelerate" and data["quick"] is True
+    assert data["results"] and all(rec["tokens_per_s"] > 0 for rec in data["results"])
+
+
+def test_the_readme_shows_every_benchmark_the_command_line_knows():
+    from gpt2_core.bench.registry import BENCHMARKS
+
+    assert {c.split()[1] for c in README_BENCH.findall((ROOT / "README.md").read_text())} == set(BENCHMARKS)

@@ -286,7 +286,7 @@ def bench_padding(quick: bool = QUICK) -> dict:
     ratios = {"padded_rows_median_speedup": float(np.median(padded)) if padded else None,
               "rows_left_alone_median_speedup": float(np.median(alone)) if alone else None}
     return {"benchmark": "padding", "model": "random GPT-2 124M shape, float32", "quick": quick,
-            "results": results, "ratios": ratios, "gemm_row_padding": records}
+            "kernels": "cpu_kernels.accelerate", "results": results, "ratios": ratios, "gemm_row_padding": records}
 
 
 def quick_workload(vocab_size: int = 50257, seed: int = 0):
@@ -321,7 +321,7 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapters 2-3's code
     threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
     if trace is not None:
-        requests = wl.load_trace(trace, model.config.vocab_size)
+        requests = wl.load_trace(trace, model.config.vocab_size, tokenizer=model.tokenizer)
         name = str(trace)
     else:
         requests = quick_workload() if quick else wl.standard_workload()

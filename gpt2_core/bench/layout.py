@@ -58,6 +58,7 @@ def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Confi
                             "seconds": seconds, "tokens_per_s": prompt_len / seconds})
         ratios[f"column_major_speed_over_row_major_prefill_{prompt_len}"] = speed_ratio(times)
     model_name = "random GPT-2 124M shape, float32" if shape == "gpt2" else f"random {shape} shape, float32"
-    return {"benchmark": "layout", "model": model_name, "quick": quick, "results": results, "ratios": ratios}
+    return {"benchmark": "layout", "model": model_name, "quick": quick, "kernels": "cpu_kernels.accelerate",
+            "results": results, "ratios": ratios}
 
 

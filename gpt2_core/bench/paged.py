@@ -131,7 +131,7 @@ def bench_paged(quick: bool = QUICK, trace: str | None = None) -> dict:
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapters 3-4's code
     cfg = model.config
     if trace is not None:
-        requests = load_trace(trace, cfg.vocab_size)
+        requests = load_trace(trace, cfg.vocab_size, tokenizer=model.tokenizer)
         source = f"trace {trace}"
     else:
         requests = standard_workload(num_requests=8 if quick else 48)
@@ -190,6 +190,7 @@ def bench_paged(quick: bool = QUICK, trace: str | None = None) -> dict:
                "paged_kv_utilisation_equal_budget >= 0.95": ratios["paged_kv_utilisation_equal_budget"] >= 0.95,
                "paged_over_contiguous_max_concurrent_equal_budget >= 2.5":
                ratios["paged_over_contiguous_max_concurrent_equal_budget"] >= 2.5}
-    return {"benchmark": "paged", "model": "random GPT-2 124M shape, float32", "quick": quick, "workload": source,
+    return {"benchmark": "paged", "model": "random GPT-2 124M shape, float32", "quick": quick,
+            "kernels": "cpu_kernels.accelerate", "workload": source,
             "slot_len": slot_len, "equal_budget_slots": equal_slots, "results": results, "ratios": ratios,
             "targets_met": targets, "block_size_sweep": sweep, "series_equal_budget": series}
