@@ -10,6 +10,11 @@ from pathlib import Path
 from .errors import BAD_JSON, CheckpointError, is_integer, is_real
 
 
+# transformers' names for GPT-2's tanh approximation of GELU: the same formula, 0.5 x (1 + tanh(sqrt(2/pi) (x +
+# 0.044715 x^3))), written in different ways (``transformers.activations``); "gelu" (the exact erf form) is not it.
+TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu_python_tanh")
+
+
 @dataclass(frozen=True)
 class GPT2Config:
     vocab_size: int = 50257  # rows of the token embedding (and of the tied LM head)
@@ -55,13 +60,14 @@ class GPT2Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPT2Config":
-        """Read the GPT-2 fields of an HF config dict (other keys, e.g. ``activation_function``, are ignored)."""
+        """Read the GPT-2 fields of an HF config dict. Fields that would change the forward pass (another activation,
+        MLP width or attention scaling) are refused with their name; other keys are ignored."""
         missing = [k for k in ("vocab_size", "n_embd", "n_head", "n_layer") if k not in d]
         if missing:
             raise CheckpointError(f"config.json: missing {', '.join(missing)}")
         if d.get("model_type", "gpt2") != "gpt2":
             raise CheckpointError(f"config.json: model_type is {d['model_type']!r}, expected 'gpt2'")
-        if d.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        if d.get("activation_function", "gelu_new") not in TANH_GELU_NAMES:
             raise CheckpointError(
                 f"config.json: activation_function {d['activation_function']!r} is not GPT-2's tanh GELU")
         # variants of GPT-2's attention this package does not implement: refused, never silently ignored
@@ -72,8 +78,9 @@ class GPT2Config:
         eos = d.get("eos_token_id")
         if eos is None and isinstance(vocab_size, int) and vocab_size > 50256:
             eos = 50256  # GPT-2's <|endoftext|>
-        if isinstance(eos, list):  # HF allows several end-of-sequence ids; generation stops at the first
-            eos = eos[0] if eos else None
+        if isinstance(eos, list):  # HF allows several end-of-sequence ids; generation stops at the first that is
+            inside = [e for e in eos if is_integer(e) and is_integer(vocab_size, 1) and 0 <= e < vocab_size]  # a token
+            eos = inside[0] if inside else (eos[0] if eos else None)
         if eos is not None and is_integer(vocab_size, 1) and is_integer(eos) and not 0 <= eos < vocab_size:
             # transformers' GPT2Config() sets eos_token_id = 50256 whatever the vocabulary: a small GPT-2 saved with
             # it has an end-of-text id that can never be sampled. It loads; generation just has no token to stop at.

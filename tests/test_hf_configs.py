@@ -73,3 +73,30 @@ def test_an_end_of_text_id_inside_the_vocabulary_is_kept(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning for a sound config
         assert gpt2_core.load_model(tmp_path).config.eos_token_id == V - 1
+
+
+@pytest.mark.parametrize("activation", ["gelu_fast", "gelu_accurate", "gelu_python_tanh"])
+def test_every_name_transformers_gives_the_tanh_gelu_loads(tmp_path, activation):
+    """transformers computes GPT-2's tanh GELU under several names: each loads and gives transformers' logits."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=24, n_layer=2, n_head=2,
+                                     activation_function=activation, eos_token_id=96)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path)
+    ids = np.arange(1, 12)
+    with torch.no_grad():
+        expected = model(torch.tensor(ids)[None]).logits[0].numpy()
+    np.testing.assert_allclose(gpt2_core.forward(gpt2_core.load_model(tmp_path), ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_first_end_of_text_id_inside_the_vocabulary_is_kept(tmp_path):
+    """HF allows a list of end-of-sequence ids; one outside a small vocabulary is skipped, not the whole list."""
+    config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=24, n_layer=1, n_head=2,
+                                     eos_token_id=[50256, 5])
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gpt2_core.load_model(tmp_path).config.eos_token_id == 5
