@@ -7,10 +7,10 @@ neighbours in the pool are read as one *run* (one view, one matmul): the blocks 
 together and usually are.
 
 The softmax over all S positions is computed one run at a time with an **online softmax** (Milakov & Gimelshein
-2018; FlashAttention, flash-decoding): keep a running maximum ``m``, a running sum ``l`` of ``exp(score - m)``
-and the running weighted sum ``acc`` of values. When a run brings a larger maximum, rescale what came before by
-``exp(m_old - m_new)``. After the last run ``acc / l`` is exactly softmax(scores) @ V, up to float32 rounding,
-and no [H, S] score array of the whole sequence, and no copy of its K/V, is ever made.
+2018; FlashAttention, flash-decoding): each run gives its own maximum ``m``, sum ``l`` of ``exp(score - m)`` and
+weighted sum ``acc`` of its values; two such partial results are merged by rescaling both to the larger maximum,
+``exp(m_old - m_new)``. After the last run ``acc / l`` is exactly softmax(scores) @ V, up to float32 rounding, and
+no [H, S] score array of the whole sequence, and no copy of its K/V, is ever made.
 """
 
 from __future__ import annotations
@@ -31,20 +31,19 @@ def contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
 
 def paged_decode_attention(q, pool, runs):  # q [H, 1, D] scaled; pool [slots, 2, H, D]; runs [(first, end)]
     """One query against the K/V held in ``pool[first:end]`` for every run, in position order: [H, 1, D]."""
-    H, _, D = q.shape
-    m = np.full((H, 1, 1), -np.inf, dtype=q.dtype)  # running maximum of the scores
-    l = np.zeros((H, 1, 1), dtype=q.dtype)  # running sum of exp(score - m)
-    acc = np.zeros((H, 1, D), dtype=q.dtype)  # running sum of exp(score - m) * value
-    for first, end in runs:
+    for i, (first, end) in enumerate(runs):
         kv = pool[first:end]  # [n, 2, H, D]: a view of the pool, nothing copied
         s = q @ kv[:, 0].transpose(1, 2, 0)  # [H, 1, n] scores of this run's keys
-        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))  # [H, 1, 1]
-        rescale = np.exp(m - m_new)  # [H, 1, 1]: what came before, at the new maximum
-        p = np.exp(s - m_new)  # [H, 1, n]
-        l = l * rescale + p.sum(axis=-1, keepdims=True)
-        acc = acc * rescale + p @ kv[:, 1].transpose(1, 0, 2)  # [H, 1, D]
-        m = m_new
-    return acc / l  # [H, 1, D]
+        m_run = s.max(axis=-1, keepdims=True)  # [H, 1, 1] the run's own maximum
+        p = np.exp(s - m_run)  # [H, 1, n]
+        l_run, acc_run = p.sum(axis=-1, keepdims=True), p @ kv[:, 1].transpose(1, 0, 2)  # [H, 1, 1], [H, 1, D]
+        if i == 0:
+            m, l, acc = m_run, l_run, acc_run
+            continue
+        m_new = np.maximum(m, m_run)  # the maximum so far; rescale both sides to it
+        old, new = np.exp(m - m_new), np.exp(m_run - m_new)  # [H, 1, 1] each, <= 1
+        m, l, acc = m_new, l * old + l_run * new, acc * old + acc_run * new
+    return acc / l  # [H, 1, D]: softmax(all scores) @ all values
 
 
 class PagedAttentionKVStore(PagedKVStore):

@@ -119,6 +119,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.hashes: dict[object, list[int]] = {}  # seq_id -> hashes of its first full, computed blocks
         self.num_queried_tokens = 0  # prompt tokens looked up at admission
         self.num_hit_tokens = 0  # of those, found cached: prefill tokens saved
+        self.num_copied_blocks = 0  # copies on write of a shared, partly filled block
 
     def cached_prefix(self, token_ids) -> tuple[list[int], list[int]]:
         """(blocks, hashes) of the longest run of ``token_ids``'s full blocks found cached, first block first. The
@@ -185,6 +186,11 @@ class PrefixCachingBlockManager(BlockManager):
             tokens = token_ids[i * bs:(i + 1) * bs]
             hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, tokens))
             self.allocator.register(table[i], hashes[-1], tokens)
+
+    def ensure(self, seq_id, num_tokens: int) -> list[tuple[int, int]]:
+        copies = super().ensure(seq_id, num_tokens)
+        self.num_copied_blocks += len(copies)
+        return copies
 
     def fork(self, parent, child, num_tokens: int | None = None) -> list[int]:
         table = super().fork(parent, child, num_tokens)
