@@ -165,9 +165,10 @@ def attention_by_context(contexts=(64, 128, 256, 512, 1024), rounds: int = 5, re
     return rows
 
 
-def parallel_sampling_memory(prompt_len: int = 400, max_new_tokens: int = 64, ns=(1, 2, 4, 8)) -> list[dict]:
+def parallel_sampling_memory(prompt_len: int = 390, max_new_tokens: int = 64, ns=(1, 2, 4, 8)) -> list[dict]:
     """KV blocks of ``n`` samples of one prompt forked (chapter 5) against ``n`` separate requests with the same
-    prompt (chapter 4's engine: nothing shared), per step: the peak, and the blocks shared and copied."""
+    prompt (chapter 4's engine: nothing shared), held during each step: the peak, and the blocks shared after the
+    fork and copied on write."""
     model = narrow_model()
     prompt = random_prompt(model.config.vocab_size, prompt_len, 7)
     per_seq = blocks_needed(prompt_len + max_new_tokens, BLOCK_SIZE)
@@ -177,24 +178,18 @@ def parallel_sampling_memory(prompt_len: int = 400, max_new_tokens: int = 64, ns
         engine = CachingLLMEngine(model, store, max_num_seqs=max(ns), max_num_batched_tokens=prompt_len + max(ns),
                                   enable_prefix_caching=False)
         engine.add_request(Request("r", prompt, max_new_tokens, stop_at_eos=False), n=n)
-        used, shared = [], []
-        while engine.has_unfinished():
-            engine.step()
-            ref = store.manager.allocator.ref_count
-            used.append(store.manager.num_used_blocks())
-            shared.append(sum(c > 1 for c in ref))
+        engine.step()  # the prefill, then the fork: every block of the prompt shared
+        shared = sum(c > 1 for c in store.manager.allocator.ref_count)
+        engine.run_until_done()
         separate = PagedKVStore(model.config, n * per_seq, BLOCK_SIZE)
         other = LLMEngine(model, store=separate, max_num_seqs=max(ns),
                           max_num_batched_tokens=n * (prompt_len + max_new_tokens))
-        for i in range(n):
-            other.add_request(Request(i, prompt, max_new_tokens, stop_at_eos=False))
-        separate_used = []
-        while other.has_unfinished():
-            other.step()
-            separate_used.append(separate.manager.num_used_blocks())
+        other.generate_many([Request(i, prompt, max_new_tokens, stop_at_eos=False) for i in range(n)])
+        used = [s.kv_reserved_tokens // BLOCK_SIZE for s in engine.step_stats]  # blocks held during each step
+        separate_used = [s.kv_reserved_tokens // BLOCK_SIZE for s in other.step_stats]
         rows.append({"n": n, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "block_size": BLOCK_SIZE,
                      "forked_peak_blocks": max(used), "separate_peak_blocks": max(separate_used),
-                     "forked_shared_blocks_after_fork": shared[0],
+                     "forked_shared_blocks_after_fork": shared,
                      "forked_copied_blocks": store.manager.num_copied_blocks,
                      "forked_blocks_per_step": used, "separate_blocks_per_step": separate_used})
     return rows
@@ -248,7 +243,7 @@ def bench_prefix(quick: bool = QUICK, trace: str | None = None) -> dict:
         chunked_records[name] = dict(sorted(rs, key=lambda x: x["itl_p99_s"])[len(rs) // 2],
                                      itl_p99_s_runs=[x["itl_p99_s"] for x in rs])
     attention = attention_by_context((64, 256) if quick else (64, 128, 256, 512, 1024), rounds=3 if quick else 7)
-    sampling = parallel_sampling_memory(prompt_len=100 if quick else 400, max_new_tokens=16 if quick else 64,
+    sampling = parallel_sampling_memory(prompt_len=100 if quick else 390, max_new_tokens=16 if quick else 64,
                                         ns=(1, 2, 4) if quick else (1, 2, 4, 8))
     whole, chunks = chunked_records["whole_prefill"], chunked_records["chunked_prefill"]
     ratios = {
