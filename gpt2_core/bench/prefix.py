@@ -122,6 +122,7 @@ def itl_during_long_prompts(model: GPT2Model, requests: list[Request], chunk_tok
     gaps = np.array([g for o in decodes for g in o.metrics.inter_token_latencies])
     longs = [o for o in outputs if str(o.request_id).startswith("long")]
     return {"method": "chunked_prefill" if chunk_tokens else "whole_prefill", "max_num_batched_tokens": budget,
+            "num_decodes": len(decodes), "long_prompt_lens": [len(o.prompt_token_ids) for o in longs],
             "itl_p50_s": float(np.percentile(gaps, 50)), "itl_p99_s": float(np.percentile(gaps, 99)),
             "itl_max_s": float(gaps.max()), "long_prompt_ttft_s": [o.metrics.time_to_first_token for o in longs],
             "num_steps": engine.num_steps, "seconds": time.perf_counter() - t0,
