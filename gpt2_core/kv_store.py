@@ -64,6 +64,15 @@ class KVStore(ABC):
     def update(self, seq_id, layer: int, start: int, k: np.ndarray, v: np.ndarray):
         """Write ``k, v`` [H, T, D] at positions ``start .. start+T-1``; return all K, V so far [H, start+T, D]."""
 
+    def attend_decode(self, seq_id, layer: int, start: int, q: np.ndarray, k: np.ndarray, v: np.ndarray):
+        """One decoding token: write its ``k, v`` [H, 1, D] at position ``start``, then attend its query ``q``
+        [H, 1, D] (already scaled by 1/sqrt(D)) to every cached position 0 .. start: [H, 1, D]. Here ``update``
+        hands back the cache as [H, start+1, D] arrays and chapter 3's ``decode_attention`` reads them; a store may
+        read its memory where it lies instead (chapter 5's paged attention)."""
+        from .model_runner import decode_attention  # the model step's own (model_runner imports this module)
+
+        return decode_attention(q, *self.update(seq_id, layer, start, k, v))
+
     @abstractmethod
     def free(self, seq_id) -> None:
         """Release everything ``seq_id`` holds. Freeing an unknown sequence is an error."""

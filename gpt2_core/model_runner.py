@@ -55,10 +55,11 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
         q_scaled = q * scale  # [H, N, D] for the decode rows, scaled once for all of them
         out = np.empty((len(x), H, D), dtype=x.dtype)  # [N, H, D]
         for chunk, (a, b) in zip(chunks, spans):  # attention: each sequence against its own cache
-            k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k[:, a:b], v[:, a:b])  # [H, start+T, D]
-            if b - a == 1:  # decode: one query sees every cached key, no mask needed
-                out[a] = decode_attention(q_scaled[:, a:b], k_all, v_all)[:, 0]  # [H, D]
-            else:  # prefill: chapter 1's causal attention
+            if b - a == 1:  # decode: one query sees every cached key, no mask needed; the store reads them
+                out[a] = store.attend_decode(chunk.seq_id, layer, chunk.start, q_scaled[:, a:b], k[:, a:b],
+                                             v[:, a:b])[:, 0]  # [H, D]
+            else:  # prefill: chapter 1's causal attention over everything cached
+                k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k[:, a:b], v[:, a:b])  # [H, start+T, D]
                 out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
         x += linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E] residual
         x += mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]

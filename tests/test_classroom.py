@@ -84,6 +84,7 @@ DELEGATING = {
                               "    return block_manager.internal_fragmentation(lengths, block_size)",
     "choose_block_size": "def choose_block_size(lengths, candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), max_waste=0.05):\n"
                          "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
+    "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
 }
 
 
