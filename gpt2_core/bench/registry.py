@@ -12,10 +12,11 @@ from .common import QUICK, blas_threads, machine_info
 from .kv_cache import bench_kv_cache
 from .layout import bench_layout
 from .paged import bench_paged
+from .quant import bench_quant
 
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
-              "padding": bench_padding}
+              "padding": bench_padding, "quant": bench_quant}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
