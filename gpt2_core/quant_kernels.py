@@ -63,13 +63,16 @@ def _compile():
     @njit(parallel=True, fastmath=True, cache=False)
     def int4_matmul(x, packed, scales, group_size, y):  # packed [M, K/2] uint8; scales [M, K/g] f32
         N, K = x.shape
+        half = group_size // 2
         for j in prange(packed.shape[0]):
             w = np.empty(K, dtype=np.float32)
-            for k2 in range(K // 2):  # byte k2 holds inputs 2*k2 (low nibble) and 2*k2+1 (high nibble)
-                b = packed[j, k2]
-                s = scales[j, (2 * k2) // group_size]  # group_size is even: both inputs share the group
-                w[2 * k2] = np.float32(np.int32(b & 15) - 8) * s
-                w[2 * k2 + 1] = np.float32(np.int32(b >> 4) - 8) * s
+            for g in range(K // group_size):  # byte t of a group: input t (low nibble), input t + half (high)
+                s = scales[j, g]
+                first = g * group_size
+                for t in range(half):
+                    w[first + t] = np.float32(np.int32(packed[j, g * half + t] & 15) - 8) * s
+                for t in range(half):
+                    w[first + half + t] = np.float32(np.int32(packed[j, g * half + t] >> 4) - 8) * s
             for n in range(N):
                 acc = np.float32(0.0)
                 for k in range(K):

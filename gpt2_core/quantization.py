@@ -7,8 +7,8 @@ quantized weight keeps the numbers in fewer bytes and a few float32 *scales* to 
 * ``int8``: per output channel, ``scale = max|w| / 127``, ``q = round(w / scale)`` in [-127, 127], 1 byte a weight
   plus one float32 scale per output (LLM.int8()'s "vector-wise" weights, without its outlier split);
 * ``int4``: per output channel *and* per group of ``group_size`` inputs, ``scale = max|w| / 7``, ``q`` in [-8, 7],
-  two values packed in a byte (low nibble first, stored ``q + 8``), plus a float32 scale a group (as GPTQ and AWQ
-  store theirs, without their clever rounding).
+  two values packed in a byte (``pack_int4``), plus a float32 scale a group (as GPTQ and AWQ store theirs,
+  without their clever rounding).
 
 Every format keeps its matrix **output-major**, ``[out, in]`` (PyTorch's ``nn.Linear`` layout, and the embedding
 ``wte``'s own [V, E]): one output channel's weights are contiguous, the order a kernel reads them in, and the
@@ -51,7 +51,7 @@ HELDOUT_SEPARATOR = "\n<|endoftext|>\n"
 def quantize_int8(w):  # w [in, out] float32 -> q [out, in] int8, scale [out] float32
     """Symmetric per-output-channel int8: each output channel (a column of ``w``) gets the scale that maps its
     largest |weight| to 127."""
-    wt = np.asarray(w, dtype=np.float32).T  # [out, in]: one output channel per row
+    wt = np.ascontiguousarray(np.asarray(w, dtype=np.float32).T)  # [out, in]: one output channel per row, in memory
     scale = np.abs(wt).max(axis=1) / np.float32(127)  # [out]
     scale[scale == 0] = 1  # an all-zero channel: any scale gives q = 0
     q = np.rint(wt / scale[:, None]).clip(-127, 127).astype(np.int8)  # [out, in]
@@ -60,26 +60,30 @@ def quantize_int8(w):  # w [in, out] float32 -> q [out, in] int8, scale [out] fl
 
 def quantize_int4(w, group_size: int = DEFAULT_GROUP_SIZE):  # w [in, out] -> packed [out, in/2] uint8, scales [out, in/g]
     """Symmetric int4 per output channel and group of ``group_size`` consecutive inputs, two values a byte."""
-    wt = np.asarray(w, dtype=np.float32).T  # [out, in]
+    wt = np.ascontiguousarray(np.asarray(w, dtype=np.float32).T)  # [out, in], output-major in memory
     out_features, in_features = wt.shape
     check_group_size(group_size, in_features)
     groups = wt.reshape(out_features, in_features // group_size, group_size)  # [out, G, g]
     scales = np.abs(groups).max(axis=2) / np.float32(7)  # [out, G]
     scales[scales == 0] = 1
     q = np.rint(groups / scales[:, :, None]).clip(-8, 7).astype(np.int8).reshape(out_features, in_features)
-    return pack_int4(q), scales.astype(np.float32)
+    return pack_int4(q, group_size), scales.astype(np.float32)
 
 
-def pack_int4(q):  # q [out, in] int8 in [-8, 7] -> [out, in/2] uint8
-    u = (q + 8).astype(np.uint8)  # 0 .. 15
-    return u[:, 0::2] | (u[:, 1::2] << 4)  # input 2k in the low nibble, 2k+1 in the high one
+def pack_int4(q, group_size: int):  # q [out, in] int8 in [-8, 7] -> [out, in/2] uint8
+    """Two values a byte, as llama.cpp's q4_0 packs them: in each group, byte t holds input t (low nibble) and
+    input t + group_size/2 (high nibble), both stored as q + 8 in 0..15. Unpacking a group is then two contiguous
+    runs of values, which a kernel's loop reads without shuffling."""
+    out_features, in_features = q.shape
+    u = (q + 8).astype(np.uint8).reshape(out_features, in_features // group_size, 2, group_size // 2)  # [out, G, 2, g/2]
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(out_features, in_features // 2)
 
 
-def unpack_int4(packed):  # packed [n, in/2] uint8 -> q [n, in] int8 in [-8, 7]
-    q = np.empty((packed.shape[0], packed.shape[1] * 2), dtype=np.int8)
-    q[:, 0::2] = packed & 0x0F
-    q[:, 1::2] = packed >> 4
-    return q - np.int8(8)
+def unpack_int4(packed, group_size: int):  # packed [n, in/2] uint8 -> q [n, in] int8 in [-8, 7]
+    n, half = packed.shape
+    p = packed.reshape(n, half * 2 // group_size, 1, group_size // 2)  # [n, G, 1, g/2]
+    q = np.concatenate([p & 0x0F, p >> 4], axis=2).astype(np.int8)  # [n, G, 2, g/2]: low halves, then high halves
+    return q.reshape(n, half * 2) - np.int8(8)
 
 
 def check_group_size(group_size, in_features: int) -> None:
@@ -175,7 +179,7 @@ class Int4Weight(QuantizedWeight):
 
     def rows(self, index):
         packed, scales = self.packed[index], self.scales[index]  # [n, in/2], [n, G]
-        q = unpack_int4(packed.reshape(-1, packed.shape[-1]))  # [n, in]
+        q = unpack_int4(packed.reshape(-1, packed.shape[-1]), self.group_size)  # [n, in]
         n, G = len(q), scales.reshape(-1, scales.shape[-1]).shape[1]
         w = q.reshape(n, G, self.group_size) * scales.reshape(n, G, 1)  # [n, G, g] float32
         return w.reshape(packed.shape[:-1] + (self.shape[0],))  # [n, in] (or [in] for one row)
@@ -334,7 +338,7 @@ def save_quantized(model: GPT2Model, directory) -> Path:
     for key, value in model.state_dict().items():
         w = value.T if isinstance(value, QuantizedEmbedding) else value
         if isinstance(w, QuantizedWeight):
-            tensors.update({f"{key}.{suffix}": a for suffix, a in w.tensors().items()})
+            tensors.update({f"{key}.{suffix}": np.ascontiguousarray(a) for suffix, a in w.tensors().items()})
         else:
             tensors[key] = np.ascontiguousarray(value)
     save_file(tensors, str(directory / QUANTIZED_FILE))

@@ -52,7 +52,7 @@ GROUP_SIZE = 64
 SETTLE_S = 0.3  # pause between the two processes' turns: the other's threads go idle before a clock starts
 GREEDY_PROMPT = "It is a truth universally acknowledged, that"
 GREEDY_TOKENS = 200
-KV_BUDGET_SLOTS = 2  # the KV budget: this many fp32 sequences of 512 tokens (GPT-2 124M: 37.7 MB)
+KV_BUDGET_SLOTS = 2  # the KV budget: this many fp32 sequences of 512 tokens (GPT-2 124M: 75.5 MB)
 
 
 def speed_shape(quick: bool):
