@@ -64,15 +64,18 @@ def _compile():
     def int4_matmul(x, packed, scales, group_size, y):  # packed [M, K/2] uint8; scales [M, K/g] f32
         N, K = x.shape
         half = group_size // 2
+        low, four, eight = np.uint8(15), np.uint8(4), np.float32(8)
         for j in prange(packed.shape[0]):
             w = np.empty(K, dtype=np.float32)
+            row = packed[j]
             for g in range(K // group_size):  # byte t of a group: input t (low nibble), input t + half (high)
                 s = scales[j, g]
-                first = g * group_size
+                src = row[g * half:(g + 1) * half]  # 1-D views: the loops below then vectorize
+                lo = w[g * group_size:g * group_size + half]
+                hi = w[g * group_size + half:(g + 1) * group_size]
                 for t in range(half):
-                    w[first + t] = np.float32(np.int32(packed[j, g * half + t] & 15) - 8) * s
-                for t in range(half):
-                    w[first + half + t] = np.float32(np.int32(packed[j, g * half + t] >> 4) - 8) * s
+                    lo[t] = (np.float32(src[t] & low) - eight) * s
+                    hi[t] = (np.float32(src[t] >> four) - eight) * s
             for n in range(N):
                 acc = np.float32(0.0)
                 for k in range(K):
