@@ -361,7 +361,35 @@ def load_quantized(directory, kernel: str = "numpy") -> GPT2Model:
 
     directory = Path(directory)
     config = GPT2Config.from_json(directory / "config.json")
-    qfile = directory / QUANT_CONFIG_FILE
+    fmt, group_size, embeddings, sampling = _read_quant_config(directory / QUANT_CONFIG_FILE, config)
+    kernel = resolve_kernel(kernel, fmt)
+    path = directory / QUANTIZED_FILE
+    tensors = load_safetensors(path)
+    shapes = expected_shapes(config)
+    quantized = {k for k in shapes if k.endswith(".weight") and any(f".{m}." in k for m in MATRICES)}
+    if embeddings:
+        quantized.add("wte.weight")
+    flat = {}
+    for key, shape in shapes.items():
+        if key in quantized:
+            flat[key] = _read_quantized(tensors, key, shape, fmt, group_size, path).with_kernel(kernel)
+        else:
+            a = _take(tensors, key, path)
+            if a.dtype != np.float32 or a.shape != shape:
+                raise CheckpointError(f"{path}: tensor {key!r} is {a.dtype} {list(a.shape)}, expected float32 "
+                                      f"{list(shape)}")
+            flat[key] = a
+    if tensors:
+        raise CheckpointError(f"{path}: unexpected tensor {sorted(tensors)[0]!r} (not part of a {fmt} GPT-2 with "
+                              f"n_layer={config.n_layer})")
+    if embeddings:
+        flat["wte.weight"] = QuantizedEmbedding(flat["wte.weight"])
+    return GPT2Model(config, _nest(flat, config.n_layer), tokenizer_for_directory(directory), source=str(path),
+                     sampling_defaults=sampling)
+
+
+def _read_quant_config(qfile: Path, config) -> tuple:
+    """(format, group_size, embeddings, sampling defaults) from ``quantization_config.json``, checked."""
     try:
         qconfig = json.loads(qfile.read_text())
         fmt, group_size, embeddings = qconfig["format"], qconfig.get("group_size"), qconfig.get("embeddings", False)
@@ -372,39 +400,15 @@ def load_quantized(directory, kernel: str = "numpy") -> GPT2Model:
         raise CheckpointError(f"{qfile}: not a valid quantization config ({type(e).__name__}: {e})") from None
     if fmt not in FORMATS[1:]:
         raise CheckpointError(f"{qfile}: format must be one of {', '.join(FORMATS[1:])}, got {fmt!r}")
+    if not isinstance(embeddings, bool):
+        raise CheckpointError(f"{qfile}: embeddings must be true or false, got {embeddings!r}")
     if fmt == "int4":
         try:
             check_group_size(group_size, config.n_embd)
         except InvalidInputError:
             raise CheckpointError(f"{qfile}: group_size {group_size!r} does not fit n_embd={config.n_embd} (an even "
                                   f"integer that divides it)") from None
-    path = directory / QUANTIZED_FILE
-    tensors = load_safetensors(path)
-    shapes = expected_shapes(config)
-    quantized = {k for k in shapes if k.endswith(".weight") and any(f".{m}." in k for m in MATRICES)}
-    if embeddings:
-        quantized.add("wte.weight")
-    flat = {}
-    for key, shape in shapes.items():
-        if key in quantized:
-            flat[key] = _read_quantized(tensors, key, shape, fmt, group_size, path)
-        else:
-            a = _take(tensors, key, path)
-            if a.dtype != np.float32 or a.shape != shape:
-                raise CheckpointError(f"{path}: tensor {key!r} is {a.dtype} {list(a.shape)}, expected float32 "
-                                      f"{list(shape)}")
-            flat[key] = a
-    if tensors:
-        raise CheckpointError(f"{path}: unexpected tensor {sorted(tensors)[0]!r} (not part of a {fmt} GPT-2 with "
-                              f"n_layer={config.n_layer})")
-    kernel = resolve_kernel(kernel, fmt)
-    for key, w in flat.items():
-        if isinstance(w, QuantizedWeight):
-            flat[key] = w.with_kernel(kernel)
-    if embeddings:
-        flat["wte.weight"] = QuantizedEmbedding(flat["wte.weight"])
-    params = _nest(flat, config.n_layer)
-    return GPT2Model(config, params, tokenizer_for_directory(directory), source=str(path), sampling_defaults=sampling)
+    return fmt, group_size, embeddings, sampling
 
 
 def _take(tensors, name, path):
