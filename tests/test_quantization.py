@@ -418,3 +418,24 @@ def test_greedy_agreement_counts_tokens_before_the_first_difference():
     assert Q.greedy_agreement([1, 2, 3, 4], [1, 2, 5, 4]) == {"tokens": 4, "same_before_divergence": 2,
                                                                "same_positions": 0.75}
     assert Q.greedy_agreement([1, 2], [1, 2])["same_before_divergence"] == 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The benchmark's speed arms
+
+
+def test_bench_speed_times_every_arm_with_the_kernels_in_their_own_process():
+    from gpt2_core.bench import quant as bench
+
+    config = gpt2_core.GPT2Config(vocab_size=256, n_positions=160, n_embd=64, n_head=2, n_layer=1)
+    records, method = bench.speed(quick=True, threads=None, config=config)
+    arms = {(r["method"], r["kernel"], r["batch"]) for r in records}
+    kernels = {"numpy"} | ({"numba"} if quant_kernels.numba_available() else set())
+    assert arms == {(f, k, b) for f, k in bench.SPEED_ARMS for b in bench.BATCHES if k in kernels}
+    assert all(r["tokens_per_s"] > 0 and len(r["ms_per_step_rounds"]) == method["rounds"] for r in records)
+    sizes = {r["method"]: r["weight_bytes"] for r in records}
+    assert sizes["fp32"] > sizes["fp16"] > sizes["int8"] > sizes["int4"]
+    if quant_kernels.numba_available():
+        assert method["compile_s"] > 0 and method["num_threads"] >= 1  # measured in the worker, before any round
+    else:
+        assert "not installed" in method["numba"]

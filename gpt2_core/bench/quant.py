@@ -25,6 +25,7 @@ windows of the held-out text, 8 requests, 2 rounds.
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import time
 from dataclasses import replace
@@ -94,9 +95,10 @@ def numba_worker(conn, config, batches, context, repeats, threads) -> None:
             conn.send(measure_round(runners, r, repeats))
 
 
-def speed(quick: bool, threads: int | None) -> tuple[list[dict], dict]:
-    """Decode-step speed of every arm at every batch: (records, how it was measured)."""
-    config = speed_shape(quick)
+def speed(quick: bool, threads: int | None, config=None) -> tuple[list[dict], dict]:
+    """Decode-step speed of every arm at every batch: (records, how it was measured). ``config``: another shape
+    than ``speed_shape(quick)`` (tests use a tiny one)."""
+    config = speed_shape(quick) if config is None else config
     rounds, repeats = (2, 2) if quick else (9, 3)
     models = speed_models(config, [a for a in SPEED_ARMS if a[1] == "numpy"])
     runners = speed_runners(models)
@@ -147,7 +149,8 @@ def speed(quick: bool, threads: int | None) -> tuple[list[dict], dict]:
         records.append({"method": fmt, "kernel": kernel, "batch": batch, "tokens_per_s": batch / step_s,
                         "ms_per_step": 1e3 * step_s, "ms_per_step_rounds": [1e3 * s for s in seconds], **sizes,
                         "group_size": GROUP_SIZE if fmt == "int4" else None, "embeddings_quantized": fmt != "fp32"})
-    method["model"] = f"random weights, GPT-2 124M shape{' with 2 layers' if config.n_layer == 2 else ''}"
+    method["model"] = f"random weights, GPT-2 124M shape{' with 2 layers' if config.n_layer == 2 else ''}" \
+        if config.n_embd == 768 else f"random weights, {config}"
     return records, method
 
 
@@ -270,7 +273,10 @@ def bench_quant(quick: bool = QUICK, threads: int | None = None) -> dict:
                "int8_over_fp32_sequences_of_512_tokens >= 3.5":
                    ratios["int8_over_fp32_sequences_of_512_tokens"] >= 3.5,
                "int8_perplexity_increase <= 0.02": ratios["int8_perplexity_increase"] <= 0.02}
-    return {"benchmark": "quant", "model": method["model"], "quick": quick,
+    llamacpp = ("llama-cpp-python is not installed: no llamacpp_* records" if importlib.util.find_spec("llama_cpp")
+                is None else "llama-cpp-python is installed, but this benchmark does not write GGUF files yet: no "
+                             "llamacpp_* records")
+    return {"benchmark": "quant", "model": method["model"], "quick": quick, "llamacpp": llamacpp,
             "kernels": "chapter code (x @ W): fp32 by BLAS; a format's numpy kernel dequantizes then BLAS; numba "
                        "kernels read the quantized bytes (quant_kernels)",
             "speed_method": method, "results": results, "ratios": ratios, "targets_met": targets, "quality": q}
