@@ -35,6 +35,10 @@ class CacheCapacityError(InvalidInputError):
     """A KV cache (or the context window) has no room for the tokens asked for."""
 
 
+class MissingDependencyError(GPT2Error, ImportError):
+    """An optional feature was asked for whose extra is not installed; the message names the extra."""
+
+
 def is_integer(value, least: int | None = None, most: int | None = None) -> bool:
     """``value`` is a whole number from ``least`` to ``most`` (a bound left None is open): a Python or NumPy integer
     (``np.arange`` hands out ``np.int64``), never a bool, which Python counts as an ``int``."""

@@ -90,9 +90,12 @@ class PagedKVStore(KVStore):
         if seq_id in self.slots and num_tokens <= len(self.slots[seq_id]):
             return  # room already there (asked twice); a decode step's one more token goes on below
         for src, dst in self.manager.ensure(seq_id, num_tokens):  # copy on write of a block shared with a fork
-            bs = self.block_size
-            self.kv[:, dst * bs:(dst + 1) * bs] = self.kv[:, src * bs:(src + 1) * bs]
+            self._copy_block(src, dst)
         self._refresh_slots(seq_id)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        self.kv[:, dst * bs:(dst + 1) * bs] = self.kv[:, src * bs:(src + 1) * bs]
 
     def update(self, seq_id, layer: int, start: int, k, v):
         H, T, D = k.shape

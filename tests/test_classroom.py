@@ -85,6 +85,7 @@ DELEGATING = {
     "choose_block_size": "def choose_block_size(lengths, candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), max_waste=0.05):\n"
                          "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
     "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
+    "predict_speed": "def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)",
 }
 
 

@@ -189,3 +189,19 @@ def test_reference_npz(path, d):
         assert 3 <= n <= 4 and all(5 <= t <= 40 for t in lengths) and len(set(lengths)) == n
     else:
         assert 2 <= n <= 3 and P in lengths
+
+
+def test_the_held_out_text_is_the_validation_split():
+    """gpt2_core/data/heldout/austen_validation.txt (data/build_heldout_text.py): the 13 chapters training held out,
+    as the checksum pins them; tokenized each followed by <|endoftext|>, they are the 44,531 validation tokens that
+    data/README.md and the training log count."""
+    import hashlib
+
+    path = PACKAGE_DATA / "heldout" / "austen_validation.txt"
+    text = path.read_text(encoding="utf-8")
+    assert hashlib.sha256(text.encode()).hexdigest() == \
+        "d60e861f05e65ab4a2b78a86d4e1281323ff4849f52911fea07184044e182941"
+    docs = text.split("\n" + EOT + "\n")
+    assert len(docs) == 13 and all(d.split("\n", 1)[0].lower().startswith("chapter ") for d in docs)
+    tok = Tokenizer.from_file(str(EMBEDDED / "tokenizer.json"))
+    assert sum(len(tok.encode(d).ids) + 1 for d in docs) == 44_531

@@ -8,7 +8,8 @@ from helpers import ROOT
 
 PACKAGE = ROOT / "gpt2_core"
 CHAPTER_MODULES = ["model", "sampling", "generation", "kv_cache", "sequence", "scheduler", "kv_store", "model_runner",
-                   "engine", "static_batching", "block_manager", "paged_kv_store"]
+                   "engine", "static_batching", "block_manager", "paged_kv_store", "quantization", "quant_kv_store",
+                   "quant_kernels"]
 OUT_OF_BOUNDS = ("cpu_kernels", "bench", "classroom")
 
 

@@ -61,7 +61,8 @@ def test_the_wheel_holds_the_package_and_its_run_time_files_only(installed):
     assert data == ["gpt2_core/data/embedded/config.json", "gpt2_core/data/embedded/generation_config.json",
                     "gpt2_core/data/embedded/model.safetensors", "gpt2_core/data/embedded/tokenizer.json",
                     "gpt2_core/data/embedded/tokenizer_config.json", "gpt2_core/data/gpt2_tokenizer/tokenizer.json",
-                    "gpt2_core/data/gpt2_tokenizer/tokenizer_config.json", "gpt2_core/data/reference/embedded.npz"]
+                    "gpt2_core/data/gpt2_tokenizer/tokenizer_config.json", "gpt2_core/data/heldout/austen_validation.txt",
+                    "gpt2_core/data/reference/embedded.npz"]
     code = {n for n in names if n.endswith(".py")}
     assert code == {f"gpt2_core/{p.relative_to(ROOT / 'gpt2_core')}" for p in (ROOT / "gpt2_core").rglob("*.py")}
     assert all(n.startswith(("gpt2_core/", "gpt2_numpy-0.1.0.dist-info/")) for n in names)  # no top-level data/

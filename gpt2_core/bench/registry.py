@@ -13,10 +13,11 @@ from .kv_cache import bench_kv_cache
 from .layout import bench_layout
 from .paged import bench_paged
 from .prefix import bench_prefix
+from .quant import bench_quant
 
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
-              "prefix": bench_prefix, "padding": bench_padding}
+              "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
