@@ -1,4 +1,5 @@
-"""Command line: ``python -m gpt2_core generate "prompt"`` and ``python -m gpt2_core bench NAME``."""
+"""Command line: ``python -m gpt2_core generate "prompt"``, ``python -m gpt2_core bench NAME`` and
+``python -m gpt2_core serve``."""
 
 from __future__ import annotations
 
@@ -57,8 +58,14 @@ def _bench(args) -> int:
     from .cpu_kernels import keep_freed_memory
 
     keep_freed_memory()  # this process only: every strategy timed with the same allocator (the appendix)
-    run_benchmark(args.name, json_path=args.json, trace=args.trace, quick=args.quick)
+    run_benchmark(args.name, json_path=args.json, trace=args.trace, quick=args.quick, base_url=args.base_url)
     return 0
+
+
+def _serve(args) -> int:
+    from .serving.app import serve_main
+
+    return serve_main(args)
 
 
 def _classroom(args) -> int:
@@ -86,11 +93,35 @@ def main(argv=None) -> int:
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a benchmark (GPT-2 124M-shaped random weights)")
-    b.add_argument("name", choices=["kv-cache", "layout", "batching", "paged", "prefix", "padding", "quant"])
+    b.add_argument("name", choices=["kv-cache", "layout", "batching", "paged", "prefix", "padding", "quant", "serve"])
     b.add_argument("--json", default=None, help="write the results here as JSON")
     b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged, prefix)")
     b.add_argument("--quick", action="store_true", help="small sizes (seconds instead of minutes)")
+    b.add_argument("--base-url", default=None, help="serve: load an OpenAI-compatible server already running there "
+                                                    "(e.g. http://127.0.0.1:8000/v1) instead of starting this one")
     b.set_defaults(func=_bench)
+
+    s = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible /v1/completions, /metrics "
+                                     "(needs the serve extra)")
+    s.add_argument("--model", default=None, help="directory, .safetensors/.bin file or hub name (default: the "
+                                                 "embedded model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="port (0: any free port; the line printed says which)")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model, "
+                                                             "or gpt2-numpy-embedded)")
+    s.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
+    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks of 16 tokens (default: room for "
+                                                               "max-num-seqs full contexts)")
+    s.add_argument("--max-waiting", type=int, default=64, help="requests waiting beyond which new ones get 429")
+    s.add_argument("--priority-aging-s", type=float, default=10.0,
+                   help="aging: a waiting request becomes one priority level more urgent every this many seconds")
+    s.add_argument("--graceful-shutdown-s", type=float, default=5.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    s.add_argument("--plain", action="store_true", help="run the chapters' plain NumPy model, without the "
+                                                        "appendix's cpu_kernels.accelerate")
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=_serve)
 
     c = sub.add_parser("classroom", help="release the chapters as nbgrader assignments, autograde submissions "
                                          "(needs the classroom extra; see notebooks/TEACHING.md)")

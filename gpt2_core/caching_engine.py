@@ -40,12 +40,15 @@ class CachingLLMEngine(LLMEngine):
 
     ``store``: a ``PrefixCachingKVStore`` (default: room for ``max_num_seqs`` full contexts in blocks of 16).
     ``enable_prefix_caching`` / ``enable_chunked_prefill`` switch the two scheduling features (both on, as in vLLM
-    V1); with both off the engine schedules as chapter 3's, over the paged-attention store.
+    V1); with both off the engine schedules as chapter 3's, over the paged-attention store. ``scheduler_cls``
+    takes the scheduler's arguments (the store, the limits, the two switches) and returns a
+    ``ChunkedPrefillScheduler`` that may order its queues otherwise (the server's ``PriorityScheduler``).
     """
 
     def __init__(self, model: GPT2Model, store: PrefixCachingKVStore | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, clock: Callable[[], float] = time.perf_counter):
+                 enable_chunked_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
+                 scheduler_cls: Callable[..., ChunkedPrefillScheduler] = ChunkedPrefillScheduler):
         check_limits(max_num_seqs, max_num_batched_tokens)  # before the default store takes its memory
         for name, flag in (("enable_prefix_caching", enable_prefix_caching),
                            ("enable_chunked_prefill", enable_chunked_prefill)):
@@ -58,7 +61,7 @@ class CachingLLMEngine(LLMEngine):
             raise InvalidInputError(f"the caching engine needs a PrefixCachingKVStore, got {type(store).__name__}")
         super().__init__(model, store=store, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, clock=clock)
-        self.scheduler = ChunkedPrefillScheduler(self.store, int(max_num_seqs), int(max_num_batched_tokens),
+        self.scheduler = scheduler_cls(self.store, int(max_num_seqs), int(max_num_batched_tokens),
                                                  model.config.n_positions, enable_chunked_prefill,
                                                  enable_prefix_caching)
         self.num_prefill_tokens = 0  # prompt (and recomputed) tokens run through the model
@@ -96,6 +99,11 @@ class CachingLLMEngine(LLMEngine):
         n = getattr(seq, "num_samples", 1)
         forked = [self._by_request.get((request_id, i)) for i in range(1, n)]
         return [RequestOutput.from_sequence(s) for s in [seq, *forked] if s is not None]
+
+    def release_request(self, request_id) -> None:
+        n = getattr(self.get_sequence(request_id), "num_samples", 1)
+        super().release_request(request_id)
+        self._sample_ids.difference_update((request_id, i) for i in range(1, n))
 
     def prefix_cache_stats(self) -> dict:
         m = self.store.manager

@@ -165,6 +165,29 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)  # out of the queues, its KV room freed for the next step
         seq.metrics.finished_time = now
 
+    def abort_request(self, request_id) -> None:
+        """Finish ``request_id`` (and its samples, if it has forked) now with ``FinishReason.ABORT``, freeing its KV
+        room; a request already finished is left as it is. Call it between steps (a server does, when its client
+        goes away)."""
+        seq = self.get_sequence(request_id)
+        now = self.clock()
+        for s in [seq, *(self._by_request.get((request_id, i)) for i in range(1, getattr(seq, "num_samples", 1)))]:
+            if s is not None and not s.is_finished:
+                self._finish(s, FinishReason.ABORT, now)
+
+    def release_request(self, request_id) -> None:
+        """Forget a finished request (and its samples): a long-running server calls this once it has handed the
+        output over, so that the engine does not keep every request it ever served."""
+        seq = self.get_sequence(request_id)
+        samples = [seq, *(self._by_request.get((request_id, i)) for i in range(1, getattr(seq, "num_samples", 1)))]
+        if not all(s is None or s.is_finished for s in samples):
+            raise InvalidInputError(f"request {request_id!r} is not finished: abort it first")
+        for s in samples:
+            if s is not None:
+                for table in (self.sequences, self._pending, self._callbacks):
+                    table.pop(s.seq_id, None)
+                self._by_request.pop(s.request_id, None)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -30,6 +30,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # produced its stop token (or <|endoftext|>); the stop token is part of the output
     LENGTH = "length"  # produced max_new_tokens
     ERROR = "error"  # invalid request, or its own sampling raised: it failed alone, see Sequence.error
+    ABORT = "abort"  # its caller gave up on it (``LLMEngine.abort_request``; a server's client went away)
 
 
 @dataclass

@@ -1,0 +1,91 @@
+"""The server's Prometheus metrics (``/metrics``), named as vLLM names its own with a ``gpt2_`` prefix.
+
+Each server has its own registry (two servers in one process, as in the tests, do not share counts); the
+process collector adds ``process_resident_memory_bytes`` and friends, which the load benchmark reads.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+try:  # no "_created" series beside each counter (they double /metrics and no dashboard reads them)
+    from prometheus_client import disable_created_metrics
+    disable_created_metrics()
+except ImportError:  # older prometheus_client: it has them, harmlessly
+    pass
+
+# Seconds: from a few milliseconds (a decode step of the small model) to minutes (a queue at twice capacity).
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                   7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        labels = {"model_name": model_name}
+        gauge = lambda name, doc: Gauge(name, doc, list(labels), registry=r).labels(**labels)  # noqa: E731
+        counter = lambda name, doc: Counter(name, doc, list(labels), registry=r).labels(**labels)  # noqa: E731
+        hist = lambda name, doc: Histogram(name, doc, list(labels), buckets=LATENCY_BUCKETS,  # noqa: E731
+                                           registry=r).labels(**labels)
+        self.running = gauge("gpt2_num_requests_running", "Sequences in the engine's running batch")
+        self.waiting = gauge("gpt2_num_requests_waiting", "Requests waiting for a place (queued or preempted)")
+        self.blocks_used = gauge("gpt2_kv_cache_blocks_used", "KV blocks held by sequences (ref count > 0)")
+        self.blocks_free = gauge("gpt2_kv_cache_blocks_free", "KV blocks free (cached prefixes included)")
+        self.usage = gauge("gpt2_kv_cache_usage_perc", "Fraction of KV blocks held by sequences (0 to 1)")
+        self.hit_rate = gauge("gpt2_prefix_cache_hit_rate", "Prompt tokens found cached / prompt tokens looked up")
+        self.prefix_queries = counter("gpt2_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("gpt2_prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = counter("gpt2_num_preemptions", "Sequences preempted (KV freed, recomputed later)")
+        self.prompt_tokens = counter("gpt2_prompt_tokens", "Prompt tokens of the requests served")
+        self.generation_tokens = counter("gpt2_generation_tokens", "Tokens generated")
+        self.step_errors = counter("gpt2_engine_step_errors", "Engine steps that raised (their requests failed)")
+        self.ttft = hist("gpt2_time_to_first_token_seconds", "Arrival to first token")
+        self.itl = hist("gpt2_inter_token_latency_seconds", "Time between two tokens of a sequence")
+        self.e2e = hist("gpt2_e2e_request_latency_seconds", "Arrival to last token")
+        self.queue_time = hist("gpt2_request_queue_time_seconds", "Arrival to first scheduled")
+        self.finished = Counter("gpt2_request_success", "Requests finished, by finish reason",
+                                [*labels, "finished_reason"], registry=r)
+        self.rejected = Counter("gpt2_requests_rejected", "Requests refused before reaching the engine, by reason "
+                                "(invalid: 400/404; queue_full: 429)", [*labels, "reason"], registry=r)
+        self._labels = labels
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+
+    def finish(self, reason: str) -> None:
+        self.finished.labels(**self._labels, finished_reason=reason).inc()
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(**self._labels, reason=reason).inc()
+
+    def update(self, engine, num_waiting: int) -> None:
+        """Gauges and the engine's own counters, read between steps (by the engine's thread)."""
+        s = engine.scheduler
+        m = engine.store.manager
+        self.running.set(len(s.running))
+        self.waiting.set(num_waiting)
+        used = m.num_used_blocks()
+        self.blocks_used.set(used)
+        self.blocks_free.set(m.num_free_blocks)
+        self.usage.set(used / m.num_blocks)
+        self.hit_rate.set(getattr(m, "hit_rate", 0.0))
+        for key, counter, now in (("queries", self.prefix_queries, getattr(m, "num_queried_tokens", 0)),
+                                  ("hits", self.prefix_hits, getattr(m, "num_hit_tokens", 0)),
+                                  ("preemptions", self.preemptions, s.num_preemptions)):
+            if now > self._seen[key]:
+                counter.inc(now - self._seen[key])
+                self._seen[key] = now
+
+    def observe(self, seq) -> None:
+        """One finished sequence's latencies (its ``SequenceMetrics``)."""
+        m = seq.metrics
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        for gap in m.inter_token_latencies:
+            self.itl.observe(gap)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        if m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
