@@ -118,6 +118,9 @@ def main(argv=None) -> int:
                    help="aging: a waiting request becomes one priority level more urgent every this many seconds")
     s.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    s.add_argument("--step-delay-s", type=float, default=0.0,
+                   help="sleep this long after each engine step, as a slower model would (tests and demos: queues "
+                        "form with a small model too)")
     s.add_argument("--plain", action="store_true", help="run the chapters' plain NumPy model, without the "
                                                         "appendix's cpu_kernels.accelerate")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

@@ -9,17 +9,25 @@ from helpers import ROOT
 PACKAGE = ROOT / "gpt2_core"
 CHAPTER_MODULES = ["model", "sampling", "generation", "kv_cache", "sequence", "scheduler", "kv_store", "model_runner",
                    "engine", "static_batching", "block_manager", "paged_kv_store", "paged_attention", "prefix_cache",
-                   "chunked_prefill", "caching_engine", "quantization", "quant_kv_store", "quant_kernels"]
+                   "chunked_prefill", "caching_engine", "quantization", "quant_kv_store", "quant_kernels",
+                   "priority_scheduler"]
 # Modules that are not a chapter's lesson: loading, errors, the CLI, the classroom tooling, machine facts.
 PLUMBING = ["__init__", "__main__", "config", "errors", "hub", "safetensors_io", "torch_bin", "tokenizer", "weights",
             "memory", "classroom"]
-OUT_OF_BOUNDS = ("cpu_kernels", "bench", "classroom")
+OUT_OF_BOUNDS = ("cpu_kernels", "bench", "classroom", "serving")
+# Subpackages, all plumbing: the appendix's kernels, the benchmarks, the HTTP server (the serve extra).
+SUBPACKAGES = ["bench", "cpu_kernels", "serving"]
 
 
 def test_every_module_is_either_a_chapter_module_or_plumbing():
     """A new module must be placed: a chapter's (and so under the rules below) or plumbing, never forgotten."""
     found = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert sorted(CHAPTER_MODULES + PLUMBING) == found
+
+
+def test_every_subpackage_is_listed():
+    found = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+    assert found == sorted(SUBPACKAGES)
 
 
 def imported_modules(path):

@@ -13,6 +13,7 @@ import functools
 import itertools
 import json
 import math
+import signal
 import socket
 import sys
 import time
@@ -97,12 +98,17 @@ class Server:
                 return Response(status_code=499)  # the client went away (nginx's code; nobody reads it)
             if first[0] == "finish" and first[2] == "error":
                 done = True
-                return JSONResponse(BadRequest(first[3] or "the request failed", None).body(), status_code=400)
+                error = BadRequest(first[3] or "the request failed", None, job.error_status,
+                                   "invalid_request_error" if job.error_status == 400 else "server_error")
+                return JSONResponse(error.body(), status_code=error.status)
             if req.stream:
                 done = True  # the generator below owns the request from here on
                 return StreamingResponse(self._sse(job, first, events, request), media_type="text/event-stream")
-            body, done = await self._whole(job, first, events, request), True
-            return JSONResponse(body) if body is not None else Response(status_code=499)
+            body = await self._whole(job, first, events, request)
+            if body is None:  # the client went away: the finally below aborts the request
+                return Response(status_code=499)
+            done = True
+            return JSONResponse(body, status_code=500 if "error" in body else 200)
         finally:
             if not done:
                 self.loop.abort(job.request_id)
@@ -110,13 +116,19 @@ class Server:
     # -- helpers --------------------------------------------------------------------------------------------------
     @staticmethod
     async def _next(events: asyncio.Queue, request: Request):
-        """The next event, or None if the client disconnected while we waited."""
+        """The next event, or None if the client disconnected while we waited. The client is looked for every
+        ``DISCONNECT_POLL_S`` seconds, tokens arriving or not."""
+        state = request.scope.setdefault("gpt2_core.poll", {"next": time.monotonic() + DISCONNECT_POLL_S})
         while True:
-            try:
-                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return None
+            wait = state["next"] - time.monotonic()
+            if wait > 0:
+                try:
+                    return await asyncio.wait_for(events.get(), wait)
+                except asyncio.TimeoutError:
+                    pass
+            state["next"] = time.monotonic() + DISCONNECT_POLL_S
+            if await request.is_disconnected():
+                return None
 
     def _chunk(self, job: Job, choices: list, usage: dict | None = None) -> dict:
         out = {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
@@ -203,11 +215,13 @@ class Server:
                 self.loop.abort(job.request_id)
 
 
-def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: int = 64, **engine_args) -> Starlette:
+def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: int = 64, step_delay_s: float = 0.0,
+             **engine_args) -> Starlette:
     """The ASGI app serving ``model`` (an engine is built with ``engine_args`` unless given). The engine's thread
     starts and stops with the app (its lifespan); ``app.state.server`` is the ``Server``."""
     server = Server(model, model_name, engine if engine is not None else build_engine(model, **engine_args),
                     max_waiting)
+    server.loop.step_delay_s = float(step_delay_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -237,7 +251,7 @@ def serve_main(args) -> int:
         keep_freed_memory()
         model = accelerate(model)
     name = args.served_model_name or (args.model or "gpt2-numpy-embedded")
-    app = make_app(model, name, max_waiting=args.max_waiting, max_num_seqs=args.max_num_seqs,
+    app = make_app(model, name, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                    aging_s=args.priority_aging_s)
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -247,6 +261,9 @@ def serve_main(args) -> int:
     print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_shutdown_s,
                             access_log=False)
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler found at start: a no-op
+    # one, so that a SIGTERM ends the process with status 0 once everything is shut down
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.Server(config).run(sockets=[sock])
     print("server stopped", file=sys.stderr, flush=True)
     return 0

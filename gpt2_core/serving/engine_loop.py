@@ -47,12 +47,14 @@ class Job:
     sent: list = field(default_factory=list)  # tokens handed out per sample
     finished: list = field(default_factory=list)  # per sample
     rows: dict = field(default_factory=dict)  # token history -> log-probabilities of the next token (logprobs)
+    error_status: int = 400  # HTTP status of an error before any token: the request's fault, unless a step failed
 
 
 class EngineLoop:
     def __init__(self, engine, tokenizer, metrics, max_waiting: int = 64):
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.max_waiting = int(max_waiting)
+        self.step_delay_s = 0.0  # sleep after each step, as a slower model would (tests, demos)
         self.inbox: queue.Queue = queue.Queue()
         self.active: dict[str, Job] = {}
         self._lock = threading.Lock()
@@ -106,6 +108,8 @@ class EngineLoop:
                     self.engine.step()
                 except Exception as e:  # a bug or a fault in the step itself: its requests fail, the loop goes on
                     self._step_failed(e)
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
             self._deliver()
             with self._lock:
                 self._engine_waiting = len(self.engine.scheduler.waiting)
@@ -164,6 +168,7 @@ class EngineLoop:
         self.metrics.step_errors.inc()
         for request_id in list(self.active):
             self._abort(request_id)
+            self.active[request_id].error_status = 500
             for seq in self._samples(self.active[request_id]):
                 if seq is not None and seq.finish_reason is FinishReason.ABORT:
                     seq.finish_reason, seq.error = FinishReason.ERROR, f"engine step failed: {error!r}"
