@@ -14,19 +14,23 @@ from .layout import bench_layout
 from .paged import bench_paged
 from .prefix import bench_prefix
 from .quant import bench_quant
+from .serve import bench_serve
 
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
-              "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant}
+              "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant,
+              "serve": bench_serve}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
-                  threads: int | None = None) -> dict:
+                  threads: int | None = None, base_url: str | None = None) -> dict:
     if name not in BENCHMARKS:
         raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
     if trace is not None and "trace" not in inspect.signature(BENCHMARKS[name]).parameters:
         takes = [n for n, fn in BENCHMARKS.items() if "trace" in inspect.signature(fn).parameters]
         raise InvalidInputError(f"--trace applies to {' and '.join(takes)}, not to {name!r}")
+    if base_url is not None and name != "serve":
+        raise InvalidInputError(f"--base-url applies to serve, not to {name!r}")
     if json_path and not is_writable_file(json_path):
         raise InvalidInputError(f"--json {json_path}: cannot write a file there (a folder, a missing folder, or no "
                                 f"permission); found now, not after minutes of benchmarking")
@@ -35,6 +39,8 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
         kwargs = {"quick": quick}
         if trace is not None:
             kwargs["trace"] = trace
+        if base_url is not None:
+            kwargs["base_url"] = base_url
         out = {"machine": machine_info(), **BENCHMARKS[name](**kwargs)}
     text = json.dumps(out, indent=2, default=float)
     if json_path:

@@ -1,0 +1,234 @@
+"""``python -m gpt2_core bench serve [--base-url URL] --json out.json``: the server under load, as its clients see it.
+
+Its own client (asyncio + httpx, streaming, on loopback) first measures the server's **capacity** (requests per
+second it completes with ``max_num_seqs`` clients always waiting on it), then sends requests as a Poisson process
+at rising rates, 0.5x to 2x that capacity, each for ``duration_s`` (60 s; 2.5 s with ``--quick``). Per rate:
+throughput, TTFT / ITL / end-to-end p50 and p99, how many were accepted, completed (every accepted one must),
+refused with 429 and how fast the refusal came. A quarter of the requests are urgent (priority 0, the rest 1):
+their TTFT beside the others' shows what priority scheduling buys. The server's resident memory
+(``process_resident_memory_bytes`` from ``/metrics``) before the rates and after 2x shows whether it leaks.
+
+Without ``--base-url`` it starts ``python -m gpt2_core serve`` (the embedded model, the appendix's kernels) on a
+free loopback port and stops it at the end. With ``--base-url http://host:port/v1`` the same client and workload
+load any OpenAI-compatible server (vLLM, SGLang, llama.cpp's server): compare a production engine with this one on
+the same trace. Prompts are text: windows of the held-out Austen chapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+from importlib import resources
+
+import numpy as np
+
+from ..errors import InvalidInputError
+
+URGENT_FRACTION = 0.25
+RATE_MULTIPLES = (0.5, 1.0, 1.5, 2.0)
+
+
+def prompts(n: int, words: tuple[int, int], seed: int = 0) -> list[str]:
+    """``n`` prompts of ``words[0]``-``words[1]`` words, windows of the held-out text at seeded places."""
+    text = resources.files("gpt2_core").joinpath("data/heldout/austen_validation.txt").read_text(encoding="utf-8")
+    tokens = text.split()
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(words[0], words[1] + 1))
+        start = int(rng.integers(0, len(tokens) - length))
+        out.append(" ".join(tokens[start:start + length]))
+    return out
+
+
+def percentile(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+class Client:
+    """Streams completions from ``base_url`` and records what each request saw."""
+
+    def __init__(self, base_url: str, model: str, max_tokens: int):
+        import httpx
+
+        self.base_url, self.model, self.max_tokens = base_url.rstrip("/"), model, max_tokens
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def complete(self, prompt: str, priority: int) -> dict:
+        import json
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "priority": priority}
+        rec = {"priority": priority, "status": None, "ttft_s": None, "itl_s": [], "e2e_s": None, "tokens": 0}
+        start = time.perf_counter()
+        last = None
+        try:
+            async with self.http.stream("POST", self.base_url + "/completions", json=body) as r:
+                rec["status"] = r.status_code
+                if r.status_code != 200:
+                    await r.aread()
+                    rec["e2e_s"] = time.perf_counter() - start
+                    return rec
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    now = time.perf_counter()
+                    if chunk.get("usage"):
+                        rec["tokens"] = chunk["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in chunk.get("choices", [])):
+                        if last is None:
+                            rec["ttft_s"] = now - start
+                        else:
+                            rec["itl_s"].append(now - last)
+                        last = now
+            rec["e2e_s"] = time.perf_counter() - start
+            rec["complete"] = True
+        except Exception as e:  # a dropped connection: an accepted request lost
+            rec["error"] = f"{type(e).__name__}: {e}"
+        return rec
+
+    async def metric(self, name: str) -> float | None:
+        """One series of the server's ``/metrics`` (summed over labels), or None if it has none."""
+        try:
+            r = await self.http.get(re.sub(r"/v1$", "", self.base_url) + "/metrics")
+            values = [float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", r.text, re.M)]
+        except Exception:
+            return None
+        return sum(values) if values else None
+
+    async def idle(self, timeout: float) -> None:
+        """Wait until the server says nothing runs or waits (if it says; else a short pause)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            running, waiting = (await self.metric("gpt2_num_requests_running"),
+                                await self.metric("gpt2_num_requests_waiting"))
+            if running is None or (running == 0 and waiting == 0):
+                return
+            await asyncio.sleep(0.1)
+
+
+async def capacity(client: Client, texts: list[str], concurrency: int, seconds: float) -> dict:
+    """Requests/s the server completes with ``concurrency`` clients each sending its next request at once."""
+    done, stop, i = [], time.perf_counter() + seconds, iter(range(10**9))
+
+    async def worker():
+        while time.perf_counter() < stop:
+            rec = await client.complete(texts[next(i) % len(texts)], 1)
+            done.append(rec)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    ok = [r for r in done if r["status"] == 200 and r.get("complete")]
+    return {"concurrency": concurrency, "seconds": wall, "requests": len(ok),
+            "requests_per_s": len(ok) / wall, "tokens_per_s": sum(r["tokens"] for r in ok) / wall}
+
+
+async def at_rate(client: Client, texts: list[str], rate: float, seconds: float, seed: int,
+                  drain_s: float) -> tuple[dict, list]:
+    """Poisson arrivals at ``rate`` per second for ``seconds``; then wait (at most ``drain_s``) for every answer."""
+    rng = np.random.default_rng(seed)
+    tasks, start = [], time.perf_counter()
+    t = float(rng.exponential(1 / rate))
+    while t < seconds:
+        delay = start + t - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        urgent = rng.random() < URGENT_FRACTION
+        tasks.append(asyncio.create_task(client.complete(texts[len(tasks) % len(texts)], 0 if urgent else 1)))
+        t += float(rng.exponential(1 / rate))
+    sent_s = time.perf_counter() - start
+    finished, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
+    for task in pending:
+        task.cancel()
+    records = [task.result() for task in tasks if task in finished]
+    wall = time.perf_counter() - start
+    return summarize(records, len(tasks), len(pending), rate, sent_s, wall), records
+
+
+def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: float, wall: float) -> dict:
+    ok = [r for r in records if r["status"] == 200 and r.get("complete")]
+    accepted = [r for r in records if r["status"] == 200] + [None] * unanswered
+    rejected = [r for r in records if r["status"] in (429, 503)]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    itl = [x for r in ok for x in r["itl_s"]]
+    e2e = [r["e2e_s"] for r in ok]
+    tokens = sum(r["tokens"] for r in ok)
+    urgent = [r["ttft_s"] for r in ok if r["priority"] == 0 and r["ttft_s"] is not None]
+    rest = [r["ttft_s"] for r in ok if r["priority"] != 0 and r["ttft_s"] is not None]
+    reject_s = [r["e2e_s"] for r in rejected]
+    return {"request_rate": rate, "sent": sent, "sent_over_s": sent_s, "wall_s": wall, "accepted": len(accepted),
+            "completed": len(ok), "lost": len(accepted) - len(ok), "rejected": len(rejected),
+            "other_errors": sum(r["status"] not in (200, 429, 503) for r in records),
+            "output_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
+            "requests_per_s": len(ok) / wall if wall else 0.0,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+            "reject_latency_p99_s": percentile(reject_s, 99), "reject_latency_max_s": max(reject_s, default=None),
+            "urgent_ttft_p50_s": percentile(urgent, 50), "rest_ttft_p50_s": percentile(rest, 50),
+            "urgent_requests": len(urgent), "rest_requests": len(rest),
+            "urgent_ttft_speedup": (statistics.median(rest) / statistics.median(urgent)
+                                    if urgent and rest and statistics.median(urgent) > 0 else None)}
+
+
+async def run_load(base_url: str, model: str, quick: bool, num_seqs: int) -> dict:
+    max_tokens = 16 if quick else 64
+    duration_s = 2.5 if quick else 60.0
+    texts = prompts(64 if quick else 512, (8, 24) if quick else (16, 64), seed=0)
+    client = Client(base_url, model, max_tokens)
+    try:
+        await asyncio.gather(*(client.complete(t, 1) for t in texts[:num_seqs]))  # warm-up: kernels, tiles, pools
+        cap = await capacity(client, texts, 2 * num_seqs, 2.0 if quick else 15.0)  # the queue never empties
+        await client.idle(60)
+        rss_before = await client.metric("process_resident_memory_bytes")
+        rates = []
+        for i, multiple in enumerate(RATE_MULTIPLES):
+            summary, _ = await at_rate(client, texts, multiple * cap["requests_per_s"], duration_s, seed=1 + i,
+                                       drain_s=30.0 if quick else 300.0)
+            rates.append({"method": f"rate_{multiple}x", "rate_multiple": multiple, "batch": num_seqs, **summary})
+            await client.idle(60)
+        rss_after = await client.metric("process_resident_memory_bytes")
+    finally:
+        await client.http.aclose()
+    workload = {"prompts": "windows of the held-out Austen chapters", "prompt_words": [8, 24] if quick else [16, 64],
+                "max_tokens": max_tokens, "temperature": 0, "duration_s_per_rate": duration_s,
+                "rate_multiples_of_capacity": list(RATE_MULTIPLES), "urgent_fraction": URGENT_FRACTION,
+                "arrivals": "Poisson, seeded"}
+    growth = (rss_after - rss_before) / rss_before if rss_before and rss_after else None
+    by = {r["rate_multiple"]: r for r in rates}
+    return {"workload": workload, "capacity": cap, "results": rates,
+            "memory": {"rss_before_bytes": rss_before, "rss_after_2x_bytes": rss_after, "growth": growth},
+            "ratios": {"urgent_ttft_speedup_at_1.5x": by[1.5]["urgent_ttft_speedup"],
+                       "rss_growth_after_2x": growth,
+                       "lost_accepted_requests": float(sum(r["lost"] for r in rates)),
+                       "max_reject_latency_s": max((r["reject_latency_max_s"] for r in rates
+                                                    if r["reject_latency_max_s"] is not None), default=None)}}
+
+
+def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: int = 16) -> dict:
+    """The load benchmark (see the module's docstring); ``base_url`` to load a server already running."""
+    if base_url is not None and not re.match(r"^https?://[^/]+(/.*)?$", base_url):
+        raise InvalidInputError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
+    server, args = None, ["--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs)]
+    if base_url is None:
+        from ..serving.launch import ServerProcess
+
+        server = ServerProcess(*args)
+        base_url = server.base_url
+    try:
+        import httpx
+
+        models = httpx.get(base_url.rstrip("/") + "/models", timeout=30).json()["data"]
+        model = models[0]["id"]
+        out = asyncio.run(run_load(base_url, model, quick, max_num_seqs))
+    finally:
+        code = server.stop() if server is not None else None
+    return {"benchmark": "serve", "quick": quick, "model": model,
+            "kernels": "cpu_kernels.accelerate" if server is not None else None,
+            "server": {"base_url": base_url if server is None else "started here (loopback)",
+                       "args": args if server is not None else None, "exit_code_after_sigterm": code}, **out}
