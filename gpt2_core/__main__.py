@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     s.add_argument("--num-blocks", type=int, default=None, help="KV blocks of 16 tokens (default: room for "
                                                                "max-num-seqs full contexts)")
     s.add_argument("--max-waiting", type=int, default=64, help="requests waiting beyond which new ones get 429")
-    s.add_argument("--priority-aging-s", type=float, default=10.0,
+    s.add_argument("--priority-aging-s", type=float, default=60.0,
                    help="aging: a waiting request becomes one priority level more urgent every this many seconds")
     s.add_argument("--graceful-shutdown-s", type=float, default=5.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")

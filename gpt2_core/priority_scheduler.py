@@ -67,7 +67,7 @@ class PriorityScheduler(ChunkedPrefillScheduler):
 
     def __init__(self, store, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, aging_s: float = 10.0,
+                 enable_prefix_caching: bool = True, aging_s: float = 60.0,
                  clock: Callable[[], float] = time.perf_counter):
         super().__init__(store, max_num_seqs, max_num_batched_tokens, max_model_len, enable_chunked_prefill,
                          enable_prefix_caching)

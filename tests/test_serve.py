@@ -304,3 +304,19 @@ def test_the_readme_serving_examples_run_as_typed(model):
         r = subprocess.run([sys.executable, "-c", code.replace("8000", port)], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0 and len(r.stdout.strip()) > 20, r.stderr
+
+
+def test_bench_serve_loads_a_server_given_by_base_url(small_server):
+    """``bench serve --base-url URL --quick``: the same client and workload against a server already running (here
+    the small one); every accepted request completes, refusals are counted, the records are complete."""
+    from gpt2_core.bench.serve import bench_serve
+
+    out = bench_serve(quick=True, base_url=small_server.base_url, max_num_seqs=2)
+    assert out["benchmark"] == "serve" and out["model"] == MODEL and out["server"]["base_url"] == small_server.base_url
+    assert [r["rate_multiple"] for r in out["results"]] == [0.5, 1.0, 1.5, 2.0]
+    for r in out["results"]:
+        assert r["lost"] == 0 and r["completed"] + r["rejected"] == r["sent"] and r["tokens_per_s"] > 0
+        assert r["ttft_p50_s"] <= r["ttft_p99_s"] and r["itl_p50_s"] <= r["itl_p99_s"]
+    assert out["capacity"]["requests_per_s"] > 0 and out["memory"]["rss_before_bytes"] > 0
+    with pytest.raises(Exception, match="base-url"):
+        bench_serve(quick=True, base_url="localhost:8000")

@@ -35,7 +35,7 @@ DISCONNECT_POLL_S = 0.25  # how often a handler waiting for its next token check
 
 
 def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 512, num_blocks: int | None = None,
-                 block_size: int = 16, aging_s: float = 10.0) -> CachingLLMEngine:
+                 block_size: int = 16, aging_s: float = 60.0) -> CachingLLMEngine:
     """Chapter 5's engine (paged store with prefix caching, chunked prefill, n > 1 by forking) with the priority
     scheduler. ``num_blocks`` defaults to room for ``max_num_seqs`` full contexts."""
     if num_blocks is None:
@@ -72,6 +72,11 @@ class Server:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request: Request) -> Response:
+        if self.loop.num_waiting() >= self.loop.max_waiting:  # full: refuse before reading or checking anything
+            self.metrics.reject("queue_full")
+            error = BadRequest(f"the server is at capacity: {self.loop.max_waiting} requests are waiting already; "
+                               f"retry later", None, 429, "rate_limit_error")
+            return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
         try:
             try:
                 body = json.loads(await request.body())
