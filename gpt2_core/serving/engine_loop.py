@@ -205,6 +205,7 @@ class EngineLoop:
                 row = job.rows.get(tuple(seq.prompt_token_ids + seq.output_token_ids[:j]))
                 lp = token_logprobs(self.tokenizer, token, row, k) if row is not None else None
             job.sent[i] = j + 1
+            self.metrics.generation_tokens.inc()  # as they go out: a dashboard's tokens/s is smooth
             self._emit(job, ("token", i, piece, token, lp))
             if text.stopped:  # a stop string: this sample ends here, its blocks freed now
                 if not seq.is_finished:
@@ -228,7 +229,6 @@ class EngineLoop:
     def _done(self, job: Job, samples: list) -> None:
         for seq in samples:
             self.metrics.observe(seq)
-            self.metrics.generation_tokens.inc(len(seq.output_token_ids))
         self.metrics.finish(samples[0].finish_reason.value if samples else FinishReason.ERROR.value)
         self.engine.release_request(job.request_id)
         del self.active[job.request_id]
