@@ -40,9 +40,7 @@ class CachingLLMEngine(LLMEngine):
 
     ``store``: a ``PrefixCachingKVStore`` (default: room for ``max_num_seqs`` full contexts in blocks of 16).
     ``enable_prefix_caching`` / ``enable_chunked_prefill`` switch the two scheduling features (both on, as in vLLM
-    V1); with both off the engine schedules as chapter 3's, over the paged-attention store. ``scheduler_cls``
-    takes the scheduler's arguments (the store, the limits, the two switches) and returns a
-    ``ChunkedPrefillScheduler`` that may order its queues otherwise (the server's ``PriorityScheduler``).
+    V1); with both off the engine schedules as chapter 3's, over the paged-attention store.
     """
 
     def __init__(self, model: GPT2Model, store: PrefixCachingKVStore | None = None, max_num_seqs: int = 32,
@@ -61,6 +59,8 @@ class CachingLLMEngine(LLMEngine):
             raise InvalidInputError(f"the caching engine needs a PrefixCachingKVStore, got {type(store).__name__}")
         super().__init__(model, store=store, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, clock=clock)
+        # scheduler_cls: called with the store, the limits and the two switches, it returns a ChunkedPrefillScheduler
+        # that may order its queues otherwise (the server's PriorityScheduler)
         self.scheduler = scheduler_cls(self.store, int(max_num_seqs), int(max_num_batched_tokens),
                                                  model.config.n_positions, enable_chunked_prefill,
                                                  enable_prefix_caching)
