@@ -199,6 +199,27 @@ def test_release_removes_solutions_hidden_tests_and_outputs(round_trip, chapter)
             assert "raise NotImplementedError()" in c.source
 
 
+@pytest.mark.parametrize("chapter", IDS)
+def test_release_carries_the_stored_runs_the_chapter_plots(round_trip, chapter):
+    """A released chapter reads its full-size figures from ``results/`` beside it, with no checkout needed."""
+    source = next(p for p in CHAPTERS if p.stem == chapter)
+    named = set(re.findall(r"results/([A-Za-z0-9_.-]+\.json)", source.read_text()))
+    assert {p.name for p in classroom.stored_results(source)} == named, f"{chapter}: a stored run is missing"
+    released = round_trip.released[chapter].parent / "results"
+    assert {p.name for p in released.glob("*.json")} == named
+    for name in named:
+        assert (released / name).read_bytes() == (source.parent / "results" / name).read_bytes()
+
+
+def test_stored_results_finds_only_the_runs_a_notebook_names(tmp_path):
+    (tmp_path / "results").mkdir()
+    for name in ("a.json", "b.json"):
+        (tmp_path / "results" / name).write_text("{}")
+    nb = tmp_path / "01_x.ipynb"
+    nb.write_text('{"cells": [{"source": ["stored = Path(\\"results/a.json\\")", "results/missing.json"]}]}')
+    assert classroom.stored_results(nb) == [tmp_path / "results" / "a.json"]
+
+
 # --- autograde -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("chapter", IDS)
