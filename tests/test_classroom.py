@@ -73,8 +73,6 @@ def solve_first_exercise(reference: dict, student: dict) -> dict:
 # Answers that only call the package's own version of what the exercise asks for (each would pass the visible
 # tests); the hidden tests must fail them with ``classroom.out_of_reach``.
 DELEGATING = {
-    "top_p_filter": "def top_p_filter(probs, p):\n"
-                    "    return sampling_probs(np.log(probs), SamplingParams(1.0, top_p=p))",
     "attention_by_rows": "def attention_by_rows(q, k, v):\n    return attention(q, k, v)",
     "padding_mask": "def padding_mask(key_mask, num_queries):\n"
                     "    return left_padding_attention_mask(key_mask, num_queries)",
