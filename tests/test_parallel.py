@@ -213,3 +213,47 @@ def test_no_segment_of_this_process_is_left_at_the_end(tp):
     """Every group above is gone; only the module's own (still open) group remains."""
     tp.close()
     assert sorted(Path("/dev/shm").glob(f"{SHM_PREFIX}{os.getpid()}_*")) == []
+
+
+# --- the pipeline --------------------------------------------------------------------------------------------------
+
+from gpt2_core.pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble, stage_params  # noqa: E402
+
+
+def test_stages_hold_the_layers_once(model):
+    first, last = stage_params(model.params, 0, 2), stage_params(model.params, 1, 2)
+    assert [id(p) for p in first["h"] + last["h"]] == [id(p) for p in model.params["h"]]
+    assert "wpe" in first and "ln_f" in last and "ln_f" not in first
+
+
+def test_ideal_and_measured_bubble_on_a_drawn_timeline():
+    assert [round(ideal_bubble(2, m), 4) for m in (1, 2, 4, 8)] == [0.5, 0.3333, 0.2, 0.1111]
+    # two stages, 2 micro-batches, every task 1 s: stage 0 busy 0-2, stage 1 busy 1-3 -> idle 2 of 6 slots
+    assert bubble_fraction([[(0, 1), (1, 2)], [(1, 2), (2, 3)]]) == pytest.approx(1 / 3)
+
+
+def test_pipeline_tokens_and_logits_equal_chapter_2(model):
+    prompts = np.array([[5, 17, 3, 9], [9, 9, 9, 1], [100, 0, 50, 2], [1, 2, 3, 4]])
+    want = [kv_cache.generate(model, p.tolist(), 7, stop_at_eos=False) for p in prompts]
+    with PipelineModel(model, max_batch=4, max_tokens=16, max_micro_batches=4) as pp:
+        names = pp.group.segment_names
+        for m in (1, 2, 4):
+            assert pp.generate(prompts, 7, micro_batches=m).tolist() == want
+            close_enough(pp.prefill_logits(4), np.stack([forward(model, p)[-1] for p in prompts]))
+            stats = pp.last_stats
+            assert len(stats[0]["busy"]) == len(stats[1]["busy"]) == 7 * m
+        with pytest.raises(InvalidInputError):
+            pp.generate(prompts, 3, micro_batches=3)  # 3 does not divide 4
+    assert existing(names) == []
+
+
+def test_a_killed_stage_is_named_and_leaves_nothing_behind(model):
+    pp = PipelineModel(model, max_batch=2, max_tokens=16)
+    pids, names = pp.group.pids, pp.group.segment_names
+    timer = threading.Timer(0.3, os.kill, (pids[1], signal.SIGKILL))
+    timer.start()
+    with pytest.raises(WorkerError, match="pipeline worker 1"):
+        for _ in range(10_000):
+            pp.generate([[1, 2, 3], [4, 5, 6]], 12, micro_batches=2)
+    timer.join()
+    assert not any(alive(p) for p in pids) and existing(names) == []
