@@ -257,3 +257,16 @@ def test_a_killed_stage_is_named_and_leaves_nothing_behind(model):
             pp.generate([[1, 2, 3], [4, 5, 6]], 12, micro_batches=2)
     timer.join()
     assert not any(alive(p) for p in pids) and existing(names) == []
+
+
+def test_the_benchmark_arms_give_the_same_tokens_on_a_tiny_model(model):
+    from gpt2_core.bench.parallel import pipeline, single_process, tensor_parallel
+
+    prompts = np.array([[5, 17, 3], [9, 9, 9]])
+    single = single_process(model, prompts, 4, threads=1)
+    assert single["tokens"].tolist() == [kv_cache.generate(model, p.tolist(), 5, stop_at_eos=False) for p in prompts]
+    with TensorParallelModel(model) as tp, PipelineModel(model, max_batch=2, max_tokens=16) as pp:
+        tp_run, pp_run = tensor_parallel(tp, prompts, 4), pipeline(pp, prompts, 4, micro_batches=2)
+    assert np.array_equal(tp_run["tokens"], single["tokens"]) and np.array_equal(pp_run["tokens"], single["tokens"])
+    # per step, 2 workers x 2 layers x 2 all-reduces x [B=2, E=32] float32, and the logits [2, 101] written once
+    assert tp_run["comm_bytes"] == 4 * (2 * 2 * 2 * 2 * 32 * 4 + 2 * 101 * 4)
