@@ -40,6 +40,14 @@ def ideal_bubble(n_stages: int, micro_batches: int) -> float:
     return (n_stages - 1) / (micro_batches + n_stages - 1)
 
 
+def predicted_bubble(stage_seconds, micro_batches: int) -> float:
+    """The idle fraction of one pass when stage s takes ``stage_seconds[s]`` per micro-batch: the pass lasts
+    sum(t) + (m-1) x max(t) (the first micro-batch crosses every stage, the slowest stage then sets the pace),
+    and the stages compute m x sum(t) of p times that. Equal times give (p-1)/(m+p-1)."""
+    p, m, total = len(stage_seconds), micro_batches, sum(stage_seconds)
+    return 1.0 - m * total / (p * (total + (m - 1) * max(stage_seconds)))
+
+
 def bubble_fraction(busy: list[list[tuple[float, float]]]) -> float:
     """Measured idle fraction: 1 - (time the stages computed) / (stages x wall time from first start to last end).
     ``busy[s]`` is stage s's list of (start, end) compute intervals (``time.perf_counter``, one clock for all)."""

@@ -95,6 +95,21 @@ def row_parallel(x_part, weight, bias, all_reduce):  # x_part [N, in/w]; weight 
     return all_reduce(x_part @ weight) + bias  # [N, out], the same on every worker
 
 
+def sum_in_rank_order(partials: list):
+    """The all-reduce of partials that are all in one process: their sum, in rank order."""
+    total = partials[0].copy()
+    for partial in partials[1:]:
+        total += partial
+    return total
+
+
+def split_row_parallel(x, weight, bias, world: int, all_reduce=sum_in_rank_order):
+    """A row-parallel linear layer with ``world`` workers played in one process: worker r's columns of x times its
+    rows of W give a partial [N, out]; ``all_reduce`` (partials -> their sum) adds them up; the bias comes once."""
+    partials = [x[:, part(x.shape[1], r, world)] @ weight[part(weight.shape[0], r, world)] for r in range(world)]
+    return all_reduce(partials) + bias  # [N, out] == x @ weight + bias, up to float32 rounding
+
+
 def tp_block(x, p: dict, n_head: int, eps: float, batch: int, cache: BatchKVCache, layer: int, all_reduce):
     """Chapter 1's block with this worker's share of the weights: two all-reduces. x [B*T, E] -> [B*T, E]."""
     heads = local_attention(layer_norm(x, **p["ln_1"], eps=eps), p["attn"], n_head, batch, cache, layer)

@@ -270,3 +270,16 @@ def test_the_benchmark_arms_give_the_same_tokens_on_a_tiny_model(model):
     assert np.array_equal(tp_run["tokens"], single["tokens"]) and np.array_equal(pp_run["tokens"], single["tokens"])
     # per step, 2 workers x 2 layers x 2 all-reduces x [B=2, E=32] float32, and the logits [2, 101] written once
     assert tp_run["comm_bytes"] == 4 * (2 * 2 * 2 * 2 * 32 * 4 + 2 * 101 * 4)
+
+
+def test_split_row_parallel_and_predicted_bubble():
+    from gpt2_core.pipeline_parallel import predicted_bubble
+    from gpt2_core.tensor_parallel import split_row_parallel
+
+    rng = np.random.default_rng(1)
+    x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((4, 10), (10, 6), (6,)))
+    for world in (1, 2, 3, 4):
+        np.testing.assert_allclose(split_row_parallel(x, w, b, world), x @ w + b, rtol=1e-5, atol=1e-5)
+    for m in (1, 2, 4, 8):
+        assert predicted_bubble([2.0, 2.0], m) == pytest.approx(ideal_bubble(2, m))
+    assert predicted_bubble([1.0, 3.0], 2) == pytest.approx(1 - 2 * 4 / (2 * (4 + 3)))
