@@ -110,7 +110,7 @@ def bench_parallel(quick: bool = QUICK) -> dict:
     config = preset("gpt2")
     if quick:
         config = replace(config, n_layer=4)  # GPT-2 124M's widths and vocabulary, 4 layers instead of 12
-    prompt_len, steps, rounds, bubble_batch = (8, 4, 2, 8) if quick else (16, 16, 3, 32)
+    prompt_len, steps, rounds, bubble_batch = (8, 4, 2, 8) if quick else (16, 8, 3, 16)
     model = random_model(config, seed=0)
     tp = TensorParallelModel(model, max_rows=max(BATCHES) * prompt_len, max_logit_rows=max(BATCHES))
     try:
