@@ -283,3 +283,37 @@ def test_split_row_parallel_and_predicted_bubble():
     for m in (1, 2, 4, 8):
         assert predicted_bubble([2.0, 2.0], m) == pytest.approx(ideal_bubble(2, m))
     assert predicted_bubble([1.0, 3.0], 2) == pytest.approx(1 - 2 * 4 / (2 * (4 + 3)))
+
+
+DRIVER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from helpers import tiny_model
+from gpt2_core import GPT2Config
+from gpt2_core.tensor_parallel import TensorParallelModel
+if __name__ == "__main__":
+    tp = TensorParallelModel(tiny_model(config=GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_head=4,
+                                                          n_layer=2, eos_token_id=100)))
+    tp.generate([1, 2, 3], 4)
+    print(" ".join(map(str, tp.group.pids)), " ".join(tp.group.segment_names), flush=True)
+    if {how!r} == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)  # the driver dies without a word to anyone
+    # "exits": leaves without close(); the group's finalizer runs at exit
+"""
+
+
+@pytest.mark.parametrize("how", ["exits", "killed"])
+def test_a_driver_that_goes_away_leaves_no_worker_and_no_segment(tmp_path, how):
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=str(Path(__file__).parent), how=how))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    out = r.stdout.split()
+    pids, names = out[:2], out[2:]  # the two workers' pids, then the group's segment names
+    assert len(pids) == 2 and len(names) == 3, (r.stdout, r.stderr)
+    deadline = time.time() + 20  # killed: the workers see their pipe close; the resource tracker unlinks
+    while time.time() < deadline and (any(alive(int(p)) for p in pids) or existing(names)):
+        time.sleep(0.2)
+    assert not any(alive(int(p)) for p in pids) and existing(names) == []
