@@ -176,6 +176,15 @@ class TensorParallelWorker:
         layers, head_dim = len(self.shard["h"]), self.shard["h"][0]["attn"]["c_proj"]["weight"].shape[0] // self.n_head
         self.cache = BatchKVCache(layers, batch, self.n_head, capacity, head_dim)
 
+    def all_reduce_alone(self, rows: int, repeats: int) -> float:
+        """Seconds per all-reduce of [rows, E] with no compute between: the price of one, barrier included."""
+        partial = np.ones((rows, self.arrays["x"].shape[1]), dtype=np.float32)
+        self.all_reduce(partial)  # both workers in step
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            self.all_reduce(partial)
+        return (time.perf_counter() - t0) / repeats
+
     def forward(self, rows: int, last_only: bool) -> dict:
         """Read the driver's input x [rows, E] from shared memory; write this worker's columns of the logits."""
         self.all_reduce.seconds, self.all_reduce.bytes_written = 0.0, 0

@@ -317,3 +317,9 @@ def test_a_driver_that_goes_away_leaves_no_worker_and_no_segment(tmp_path, how):
     while time.time() < deadline and (any(alive(int(p)) for p in pids) or existing(names)):
         time.sleep(0.2)
     assert not any(alive(int(p)) for p in pids) and existing(names) == []
+
+
+def test_an_all_reduce_alone_is_timed_by_both_workers(model):
+    with TensorParallelModel(model) as fresh:
+        seconds = fresh.group.call("all_reduce_alone", 4, 20)
+    assert len(seconds) == 2 and all(0 < s < 1 for s in seconds)

@@ -106,6 +106,16 @@ def bubble_records(model, pp: PipelineModel, batch: int, prompt_len: int, rounds
     return out
 
 
+def all_reduce_records(tp: TensorParallelModel, repeats: int) -> list[dict]:
+    """One all-reduce between the two workers, alone: [1, E] (a batch-1 decode step's) and [32, E]."""
+    out = []
+    for rows in BATCHES:
+        seconds = max(tp.group.call("all_reduce_alone", rows, repeats))  # the slower worker's view
+        out.append({"rows": rows, "bytes_per_worker": rows * tp.model.config.n_embd * 4, "seconds": seconds,
+                    "repeats": repeats})
+    return out
+
+
 def bench_parallel(quick: bool = QUICK) -> dict:
     config = preset("gpt2")
     if quick:
@@ -118,6 +128,7 @@ def bench_parallel(quick: bool = QUICK) -> dict:
         try:
             results = [r for b in BATCHES for r in decode_records(model, tp, pp, b, prompt_len, steps, rounds)]
             bubble = bubble_records(model, pp, bubble_batch, prompt_len, rounds)
+            all_reduce = all_reduce_records(tp, 200 if quick else 1000)
         finally:
             pp.close()
     finally:
@@ -130,4 +141,4 @@ def bench_parallel(quick: bool = QUICK) -> dict:
             "kernels": "none (chapter code in every process)",
             "workload": {"prompt_tokens": prompt_len, "decode_steps": steps, "rounds": rounds,
                          "bubble_batch": bubble_batch},
-            "results": results, "ratios": ratios, "bubble": bubble}
+            "results": results, "ratios": ratios, "bubble": bubble, "all_reduce": all_reduce}

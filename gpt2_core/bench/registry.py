@@ -58,6 +58,8 @@ def _print_summary(out: dict) -> None:
     for r in out.get("bubble", []):
         w(f"  pipeline bubble, {r['micro_batches']} micro-batches: measured {r['bubble_measured']:.3f}, "
           f"(p-1)/(m+p-1) = {r['bubble_ideal']:.3f}\n")
+    for r in out.get("all_reduce", []):
+        w(f"  one all-reduce of [{r['rows']}, E] between two workers: {1e6 * r['seconds']:.0f} us\n")
     for k, v in out.get("ratios", {}).items():
         w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")
     if "profile_ms_per_step" in out:
