@@ -237,7 +237,7 @@ class TensorParallelModel:
     def prefill(self, token_ids, capacity: int | None = None, last_only: bool = False) -> np.ndarray:
         """Start B new sequences (token_ids [T] or [B, T], one length) with empty caches; return their logits:
         [T, V] for one sequence, [B*T, V] for a batch, [B, V] with ``last_only``."""
-        ids = self._check(token_ids, capacity)
+        ids, self.capacity = self._check(token_ids, capacity, last_only)
         self.group.call("start", ids.shape[0], self.capacity)
         self.length, self.batch = 0, ids.shape[0]
         return self._run(ids, last_only)
@@ -256,21 +256,23 @@ class TensorParallelModel:
         logits = self._run(ids, last_only=True)  # [B, V]
         return logits[0] if np.ndim(tokens) == 0 else logits
 
-    def _check(self, token_ids, capacity: int | None) -> np.ndarray:
+    def _check(self, token_ids, capacity: int | None, last_only: bool) -> tuple[np.ndarray, int]:
         ids = np.asarray(token_ids)
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids  # [B, T]
         if ids.ndim != 2 or ids.size == 0:
             raise InvalidInputError(f"token_ids must be [T] or [B, T] and not empty, got shape {ids.shape}")
         ids = np.stack([self.model.check_tokens(row) for row in ids])  # [B, T] int64, each row checked
         B, T = ids.shape
-        self.capacity = T if capacity is None else capacity
-        if not is_integer(self.capacity, T, self.model.config.n_positions):
+        capacity = T if capacity is None else capacity
+        if not is_integer(capacity, T, self.model.config.n_positions):
             raise CacheCapacityError(f"capacity must be an integer from the prompt's {T} tokens to n_ctx="
                                      f"{self.model.config.n_positions}, got {capacity!r}")
-        if B * T > self.max_rows or B > self.max_logit_rows:
-            raise InvalidInputError(f"{B} x {T} tokens exceed this model's max_rows={self.max_rows} (or batch "
-                                    f"{B} > max_logit_rows={self.max_logit_rows}); make it with larger limits")
-        return ids
+        logit_rows = B if last_only else B * T
+        if B * T > self.max_rows or logit_rows > self.max_logit_rows:
+            raise InvalidInputError(f"{B} x {T} tokens ({logit_rows} rows of logits) exceed this model's max_rows="
+                                    f"{self.max_rows} or max_logit_rows={self.max_logit_rows}; make it with larger "
+                                    "limits")
+        return ids, capacity
 
     def generate(self, token_ids, max_new_tokens: int) -> np.ndarray:
         """Greedy tokens, [max_new_tokens] for one prompt [T] or [B, max_new_tokens] for a batch [B, T]."""

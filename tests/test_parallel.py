@@ -149,8 +149,13 @@ def test_bad_calls_fail_in_the_driver_and_leave_the_group_working(tp):
         tp.prefill([1, 2, 1000])
     tp.prefill([1, 2], capacity=3)
     tp.decode_step(4)
+    with pytest.raises(InvalidInputError):
+        tp.prefill([1, 2], capacity=99)  # refused: the running sequence keeps its capacity of 3
     with pytest.raises(InvalidInputError, match="capacity"):
         tp.decode_step(5)
+    with pytest.raises(InvalidInputError, match="max_logit_rows"):
+        tp.prefill(np.ones((3, 30), dtype=np.int64))  # 90 rows of logits > 64
+    tp.prefill(np.ones((3, 30), dtype=np.int64), last_only=True)  # 3 rows are fine
     with pytest.raises(InvalidInputError):
         TensorParallelModel(tiny_model(config=TP_TINY), world_size=3)
     assert tp.generate([1, 2], 3).shape == (3,)
