@@ -84,6 +84,10 @@ DELEGATING = {
                          "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
     "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
     "predict_speed": "def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)",
+    "row_parallel": "def row_parallel_c_proj(x, weight, bias, world, all_reduce):\n"
+                    "    return split_row_parallel(x, weight, bias, world, all_reduce)",
+    "predict_bubble": "def bubble_from_stage_times(stage_seconds, micro_batches):\n"
+                      "    return predicted_bubble(stage_seconds, micro_batches)",
 }
 
 
