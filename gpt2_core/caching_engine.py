@@ -25,13 +25,13 @@ import numpy as np
 
 from .block_manager import blocks_needed
 from .chunked_prefill import ChunkedPrefillScheduler
-from .engine import LLMEngine, RequestOutput, StepStats
+from .engine import LLMEngine, RequestOutput
 from .errors import CacheCapacityError, InvalidInputError, is_integer
 from .model_runner import Chunk, ragged_forward
 from .prefix_cache import PrefixCachingKVStore
 from .sampling import Sampler
 from .scheduler import check_limits
-from .sequence import FinishReason, Request, Sequence, SequenceStatus
+from .sequence import Request, Sequence, SequenceStatus
 from .weights import GPT2Model
 
 
@@ -133,7 +133,7 @@ class CachingLLMEngine(LLMEngine):
                 raise CacheCapacityError(f"{len(self.scheduler.waiting)} request(s) wait, none is running, and the "
                                          f"KV store has no room for the first: something else holds its memory")
             return []
-        stats = self._stats(plan, start)
+        stats = self._begin_stats(plan, start)
         chunks = []
         for seq in plan.scheduled:
             a = seq.num_computed_tokens
@@ -190,44 +190,3 @@ class CachingLLMEngine(LLMEngine):
                 self._callbacks[child.seq_id] = self._callbacks[parent.seq_id]
             children.append(child)
         return children
-
-    def _sample(self, seq: Sequence, logits: np.ndarray, now: float) -> int | None:
-        """``seq``'s next token from its own sampler (after its ``logits_processor``), or None if that raised: the
-        request's own code failed, so it alone ends with ``FinishReason.ERROR``."""
-        try:
-            if seq.request.logits_processor is not None:
-                logits = np.asarray(seq.request.logits_processor(seq.token_ids, logits))
-                V = self.model.config.vocab_size
-                if logits.shape != (V,) or not np.issubdtype(logits.dtype, np.floating):
-                    raise InvalidInputError(f"logits_processor must return float logits of shape ({V},), got "
-                                            f"{logits.dtype} {logits.shape}")
-            token = seq.sampler(logits)
-            if not 0 <= token < self.model.config.vocab_size:
-                raise InvalidInputError(f"sampled token {token} is outside the vocabulary")
-            return token
-        except Exception as e:
-            seq.error = f"request {seq.request_id!r}: sampling raised {type(e).__name__}: {e}"
-            self._finish(seq, FinishReason.ERROR, now)
-            return None
-
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
-        """``token`` joins ``seq``'s output; a stop token or a spent budget finishes ``seq`` and frees its KV."""
-        seq.output_token_ids.append(token)
-        seq.metrics.token_times.append(now)
-        self._pending[seq.seq_id].append(token)
-        r = seq.request
-        if (r.stop_at_eos and token == self.model.config.eos_token_id) or token == r.stop_token_id:
-            self._finish(seq, FinishReason.STOP, now)
-        elif len(seq.output_token_ids) >= seq.max_new_tokens:
-            self._finish(seq, FinishReason.LENGTH, now)
-
-    def _stats(self, plan, start: float) -> StepStats:
-        for seq in plan.scheduled:
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = start
-        running = self.scheduler.running
-        return StepStats(step=self.num_steps, start_time=start, end_time=start, num_seqs=len(plan.scheduled),
-                         num_prefill_seqs=plan.num_prefill_seqs, num_decode_seqs=plan.num_decode_seqs,
-                         num_batched_tokens=plan.num_batched_tokens, num_running=0, num_waiting=0,
-                         kv_slots_in_use=len(running), kv_reserved_tokens=self.store.reserved_tokens(),
-                         kv_used_tokens=sum(s.num_tokens for s in running), num_preempted=len(plan.preempted))

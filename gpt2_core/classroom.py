@@ -135,6 +135,13 @@ def strip_solution_markers(source: str) -> str:
                      if line.strip() not in (SOLUTION_BEGIN, SOLUTION_END))
 
 
+def stored_results(notebook) -> list[Path]:
+    """The stored full-size benchmark runs a notebook reads (``results/NAME.json`` beside it) that exist."""
+    notebook = Path(notebook)
+    names = sorted(set(re.findall(r"results/([A-Za-z0-9_.-]+\.json)", notebook.read_text(encoding="utf-8"))))
+    return [notebook.parent / "results" / n for n in names if (notebook.parent / "results" / n).is_file()]
+
+
 def chapter_notebooks(notebooks_dir=None) -> list[Path]:
     """Every chapter notebook (``NN_name.ipynb``) in ``notebooks_dir`` (default: the repository's notebooks/)."""
     directory = Path(notebooks_dir) if notebooks_dir is not None else NOTEBOOKS_DIR
@@ -180,6 +187,9 @@ class Course:
             dest = root / "source" / nb.stem
             dest.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(nb, dest / nb.name)
+            for stored in stored_results(nb):  # released with the notebook: its figures need no checkout
+                (dest / "results").mkdir(exist_ok=True)
+                shutil.copyfile(stored, dest / "results" / stored.name)
         return cls(root)
 
     @property

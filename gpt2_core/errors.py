@@ -39,6 +39,11 @@ class MissingDependencyError(GPT2Error, ImportError):
     """An optional feature was asked for whose extra is not installed; the message names the extra."""
 
 
+class WorkerError(GPT2Error, RuntimeError):
+    """A worker process of a parallel model (chapter 8) died or failed; the message names the worker. The group of
+    workers is shut down when this is raised: its other processes stopped, its shared memory freed."""
+
+
 def is_integer(value, least: int | None = None, most: int | None = None) -> bool:
     """``value`` is a whole number from ``least`` to ``most`` (a bound left None is open): a Python or NumPy integer
     (``np.arange`` hands out ``np.int64``), never a bool, which Python counts as an ``int``."""

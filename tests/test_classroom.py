@@ -73,8 +73,6 @@ def solve_first_exercise(reference: dict, student: dict) -> dict:
 # Answers that only call the package's own version of what the exercise asks for (each would pass the visible
 # tests); the hidden tests must fail them with ``classroom.out_of_reach``.
 DELEGATING = {
-    "top_p_filter": "def top_p_filter(probs, p):\n"
-                    "    return sampling_probs(np.log(probs), SamplingParams(1.0, top_p=p))",
     "attention_by_rows": "def attention_by_rows(q, k, v):\n    return attention(q, k, v)",
     "padding_mask": "def padding_mask(key_mask, num_queries):\n"
                     "    return left_padding_attention_mask(key_mask, num_queries)",
@@ -86,6 +84,10 @@ DELEGATING = {
                          "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
     "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
     "predict_speed": "def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)",
+    "row_parallel": "def row_parallel_c_proj(x, weight, bias, world, all_reduce):\n"
+                    "    return split_row_parallel(x, weight, bias, world, all_reduce)",
+    "predict_bubble": "def bubble_from_stage_times(stage_seconds, micro_batches):\n"
+                      "    return predicted_bubble(stage_seconds, micro_batches)",
 }
 
 
@@ -197,6 +199,27 @@ def test_release_removes_solutions_hidden_tests_and_outputs(round_trip, chapter)
     for c in nbgrader_cells(student):
         if c.kind == "solution" and c.cell_type == "code":
             assert "raise NotImplementedError()" in c.source
+
+
+@pytest.mark.parametrize("chapter", IDS)
+def test_release_carries_the_stored_runs_the_chapter_plots(round_trip, chapter):
+    """A released chapter reads its full-size figures from ``results/`` beside it, with no checkout needed."""
+    source = next(p for p in CHAPTERS if p.stem == chapter)
+    named = set(re.findall(r"results/([A-Za-z0-9_.-]+\.json)", source.read_text()))
+    assert {p.name for p in classroom.stored_results(source)} == named, f"{chapter}: a stored run is missing"
+    released = round_trip.released[chapter].parent / "results"
+    assert {p.name for p in released.glob("*.json")} == named
+    for name in named:
+        assert (released / name).read_bytes() == (source.parent / "results" / name).read_bytes()
+
+
+def test_stored_results_finds_only_the_runs_a_notebook_names(tmp_path):
+    (tmp_path / "results").mkdir()
+    for name in ("a.json", "b.json"):
+        (tmp_path / "results" / name).write_text("{}")
+    nb = tmp_path / "01_x.ipynb"
+    nb.write_text('{"cells": [{"source": ["stored = Path(\\"results/a.json\\")", "results/missing.json"]}]}')
+    assert classroom.stored_results(nb) == [tmp_path / "results" / "a.json"]
 
 
 # --- autograde -------------------------------------------------------------------------------------------------

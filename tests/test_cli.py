@@ -146,6 +146,10 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
             {("fp32", "numpy"), ("int8", "numpy"), ("int8", "numba")}
         assert {r["method"] for r in data["results"]} >= {"kv_fp32", "kv_fp16", "kv_int8"}
         assert all(r["weight_bytes"] > 0 for r in data["results"] if "weight_bytes" in r)
+    elif args[1] == "parallel":  # chapter 8: the chapter's own code in every process, the tokens checked
+        assert {r["method"] for r in data["results"]} == {"single_1thread", "single_2threads", "tp2", "pp2"}
+        assert all(r["same_tokens_as_single_1thread"] for r in data["results"])
+        assert [r["micro_batches"] for r in data["bubble"]] == [1, 2, 4, 8]
     else:
         assert data["kernels"] == "cpu_kernels.accelerate"
     assert data["results"] and all(rec["tokens_per_s"] > 0 for rec in data["results"])

@@ -2,6 +2,8 @@
 never the appendix's kernels (``cpu_kernels``) or the benchmarks (``bench``), and their functions stay short."""
 
 import ast
+import json
+import re
 
 import pytest
 from helpers import ROOT
@@ -10,7 +12,7 @@ PACKAGE = ROOT / "gpt2_core"
 CHAPTER_MODULES = ["model", "sampling", "generation", "kv_cache", "sequence", "scheduler", "kv_store", "model_runner",
                    "engine", "static_batching", "block_manager", "paged_kv_store", "paged_attention", "prefix_cache",
                    "chunked_prefill", "caching_engine", "quantization", "quant_kv_store", "quant_kernels",
-                   "priority_scheduler"]
+                   "process_group", "tensor_parallel", "pipeline_parallel", "priority_scheduler"]
 # Modules that are not a chapter's lesson: loading, errors, the CLI, the classroom tooling, machine facts.
 PLUMBING = ["__init__", "__main__", "config", "errors", "hub", "safetensors_io", "torch_bin", "tokenizer", "weights",
             "memory", "classroom"]
@@ -67,3 +69,33 @@ def test_the_checks_see_a_forbidden_import():
         p = Path(d) / "m.py"
         p.write_text("def f():\n    from .cpu_kernels import accelerate\n    from . import bench\n")
         assert list(imported_modules(p)) == ["gpt2_core.cpu_kernels", "gpt2_core.bench"]
+
+
+# --- the chapter notebooks read as lessons ------------------------------------------------------------------------
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+MAX_MARKDOWN_WORDS = 2500  # a chapter a learner reads in a sitting and a teacher covers in a 90-minute class
+RUN_ID = re.compile(r"\b(runs? \d\d[a-z]\b|\d{4}-\d\d-\d\d[a-z]?\.json|data/benchmarks/)")
+
+
+def markdown_of(notebook) -> str:
+    cells = json.loads(notebook.read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
+def test_a_chapter_is_at_most_2500_words_of_prose(notebook):
+    words = len(markdown_of(notebook).split())
+    assert words <= MAX_MARKDOWN_WORDS, f"{notebook.name}: {words} markdown words (at most {MAX_MARKDOWN_WORDS})"
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
+def test_a_chapter_cites_no_run_ids_or_dated_benchmark_files(notebook):
+    """Prose quotes what the notebook's own cells print; a stored run is named by its place beside the notebook."""
+    found = RUN_ID.findall(markdown_of(notebook))
+    assert not found, f"{notebook.name} prose cites {found}"
+
+
+def test_the_run_id_check_sees_one():
+    assert RUN_ID.search("as run 04l showed") and RUN_ID.search("see kv-cache-2026-12-04l.json")
+    assert not RUN_ID.search("results/kv-cache.json, 48 requests")

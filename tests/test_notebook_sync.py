@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT
 
 MARKER = re.compile(r"^# (gpt2_core/[\w/]+\.py)\b")
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted([*(ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(ROOT / "notebooks").glob("A[0-9]_*.ipynb")])
 
 
 def definitions(source: str, body=None) -> dict[str, str]:

@@ -118,7 +118,7 @@ def test_the_wheel_takes_the_run_time_files_and_leaves_the_rest():
     assert sorted(listed) == sorted([f"data/embedded/{name}" for name in (
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")] + [
         "data/gpt2_tokenizer/tokenizer.json", "data/gpt2_tokenizer/tokenizer_config.json",
-        "data/reference/embedded.npz"])
+        "data/reference/embedded.npz", "data/heldout/austen_validation.txt"])
     for name in listed:
         assert (ROOT / "gpt2_core" / name).is_file(), name
     assert json.loads((PACKAGE_DATA / "embedded" / "config.json").read_text())["vocab_size"] == 4096

@@ -12,6 +12,7 @@ from .common import QUICK, blas_threads, machine_info
 from .kv_cache import bench_kv_cache
 from .layout import bench_layout
 from .paged import bench_paged
+from .parallel import bench_parallel
 from .prefix import bench_prefix
 from .quant import bench_quant
 from .serve import bench_serve
@@ -19,7 +20,7 @@ from .serve import bench_serve
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
               "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant,
-              "serve": bench_serve}
+              "parallel": bench_parallel, "serve": bench_serve}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
@@ -59,6 +60,11 @@ def _print_summary(out: dict) -> None:
         extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
                           not isinstance(v, (float, list)))
         w(f"  {r['method']:16s} batch {r['batch']:>3}  {r['tokens_per_s']:9.2f} tok/s  {extra}\n")
+    for r in out.get("bubble", []):
+        w(f"  pipeline bubble, {r['micro_batches']} micro-batches: measured {r['bubble_measured']:.3f}, "
+          f"(p-1)/(m+p-1) = {r['bubble_ideal']:.3f}\n")
+    for r in out.get("all_reduce", []):
+        w(f"  one all-reduce of [{r['rows']}, E] between two workers: {1e6 * r['seconds']:.0f} us\n")
     for k, v in out.get("ratios", {}).items():
         w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")
     if "profile_ms_per_step" in out:

@@ -1,0 +1,144 @@
+"""Chapter 8's benchmark: one process against two (tensor parallel, pipeline), decode at batch 1 and 32, and the
+pipeline's bubble against (p-1)/(m+p-1).
+
+Every method runs the same batched chapter-1 code (``tensor_parallel.shard_forward``): in this process on the whole
+model with 1 or 2 BLAS threads, or split over two worker processes of 1 BLAS thread each. Methods take turns in
+every round (``interleaved``), so the machine's drift falls on all of them; each reading is the decode time of
+``steps`` greedy steps after a prefill, and all methods must give the same tokens (checked and recorded).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from ..config import preset
+from ..pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble
+from ..tensor_parallel import BatchKVCache, TensorParallelModel, no_communication, shard_forward
+from ..weights import random_model
+from .common import QUICK, blas_threads, interleaved
+
+BATCHES = (1, 32)
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def single_process(model, prompts: np.ndarray, steps: int, threads: int) -> dict:
+    """The whole model in this process: prefill, then ``steps`` greedy decode steps (timed)."""
+    cfg, p = model.config, model.params
+    B, T = prompts.shape
+    cache = BatchKVCache(cfg.n_layer, B, cfg.n_head, T + steps + 1, cfg.head_dim)
+    with blas_threads(threads):
+        x = (p["wte"][prompts] + p["wpe"][:T]).reshape(B * T, -1)
+        logits = shard_forward(p, x, cfg.n_head, cfg.layer_norm_epsilon, B, cache, no_communication, True)
+        tokens = [logits.argmax(axis=-1)]
+        t0 = time.perf_counter()
+        for step in range(steps):
+            x = p["wte"][tokens[-1]] + p["wpe"][T + step]  # [B, E]
+            logits = shard_forward(p, x, cfg.n_head, cfg.layer_norm_epsilon, B, cache, no_communication, True)
+            tokens.append(logits.argmax(axis=-1))
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": np.stack(tokens, 1), "comm_s": 0.0, "comm_bytes": 0}
+
+
+def tensor_parallel(tp: TensorParallelModel, prompts: np.ndarray, steps: int) -> dict:
+    logits = tp.prefill(prompts, capacity=prompts.shape[1] + steps + 1, last_only=True)
+    tokens, comm_s, comm_bytes = [logits.argmax(axis=-1)], 0.0, 0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tokens.append(tp.decode_step(tokens[-1]).argmax(axis=-1))
+        comm_s += statistics.mean(w["comm_seconds"] for w in tp.last_stats)  # a worker's all-reduces + gather
+        comm_bytes += sum(w["comm_bytes"] for w in tp.last_stats)  # written into shared memory by all workers
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": np.stack(tokens, 1), "comm_s": comm_s, "comm_bytes": comm_bytes}
+
+
+def pipeline(pp: PipelineModel, prompts: np.ndarray, steps: int, micro_batches: int) -> dict:
+    """Decode time: from the end of the prefill to the last token, read from the last stage's own clock."""
+    B, E = prompts.shape[0], pp.model.config.n_embd
+    tokens = pp.generate(prompts, steps + 1, micro_batches)
+    last = pp.last_stats[-1]["busy"]
+    seconds = last[-1][1] - last[micro_batches - 1][1]
+    comm_s = sum(s["comm_seconds"] for s in pp.last_stats) * steps / (steps + 1)  # copies in and out of the slots
+    return {"seconds": seconds, "tokens": tokens, "comm_s": comm_s, "comm_bytes": steps * B * (E * 4 + 8)}
+
+
+def decode_records(model, tp, pp, batch: int, prompt_len: int, steps: int, rounds: int) -> list[dict]:
+    prompts = np.random.default_rng(batch).integers(model.config.vocab_size, size=(batch, prompt_len))
+    m = 1 if batch == 1 else 2  # two micro-batches keep both stages busy from step to step
+    runs = {"single_1thread": lambda: single_process(model, prompts, steps, 1),
+            "single_2threads": lambda: single_process(model, prompts, steps, 2),
+            "tp2": lambda: tensor_parallel(tp, prompts, steps),
+            "pp2": lambda: pipeline(pp, prompts, steps, m)}
+    readings = interleaved(runs, rounds, measure=lambda run, r: run())
+    reference = readings["single_1thread"][0]["tokens"]
+    records = []
+    for name, rs in readings.items():
+        seconds = statistics.median(r["seconds"] for r in rs)
+        records.append({"method": name, "batch": batch, "tokens_per_s": batch * steps / seconds,
+                        "s_per_step": seconds / steps,
+                        "comm_s_per_step": statistics.median(r["comm_s"] for r in rs) / steps,
+                        "comm_bytes_per_step": rs[0]["comm_bytes"] // steps,
+                        "processes": 1 if name.startswith("single") else 2,
+                        "blas_threads_per_process": 2 if name == "single_2threads" else 1,
+                        "micro_batches": m if name == "pp2" else None,
+                        "same_tokens_as_single_1thread": all(np.array_equal(r["tokens"], reference) for r in rs),
+                        "seconds_per_round": [r["seconds"] for r in rs]})
+    return records
+
+
+def bubble_records(model, pp: PipelineModel, batch: int, prompt_len: int, rounds: int) -> list[dict]:
+    """One prefill pass (no decode) of ``batch`` prompts in m micro-batches: the measured idle fraction."""
+    prompts = np.random.default_rng(7).integers(model.config.vocab_size, size=(batch, prompt_len))
+    out = []
+    for m in MICRO_BATCHES:
+        readings = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            pp.generate(prompts, 1, m)
+            readings.append((time.perf_counter() - t0, bubble_fraction([s["busy"] for s in pp.last_stats])))
+        wall, bubble = (statistics.median(r[i] for r in readings) for i in (0, 1))
+        out.append({"micro_batches": m, "batch": batch, "prompt_tokens": prompt_len, "bubble_measured": bubble,
+                    "bubble_ideal": ideal_bubble(2, m), "wall_s": wall,
+                    "tokens_per_s": batch * prompt_len / wall})
+    return out
+
+
+def all_reduce_records(tp: TensorParallelModel, repeats: int) -> list[dict]:
+    """One all-reduce between the two workers, alone: [1, E] (a batch-1 decode step's) and [32, E]."""
+    out = []
+    for rows in BATCHES:
+        seconds = max(tp.group.call("all_reduce_alone", rows, repeats))  # the slower worker's view
+        out.append({"rows": rows, "bytes_per_worker": rows * tp.model.config.n_embd * 4, "seconds": seconds,
+                    "repeats": repeats})
+    return out
+
+
+def bench_parallel(quick: bool = QUICK) -> dict:
+    config = preset("gpt2")
+    if quick:
+        config = replace(config, n_layer=4)  # GPT-2 124M's widths and vocabulary, 4 layers instead of 12
+    prompt_len, steps, rounds, bubble_batch = (8, 4, 2, 8) if quick else (16, 8, 3, 16)
+    model = random_model(config, seed=0)
+    tp = TensorParallelModel(model, max_rows=max(BATCHES) * prompt_len, max_logit_rows=max(BATCHES))
+    try:
+        pp = PipelineModel(model, max_batch=max(BATCHES), max_tokens=prompt_len + steps + 1, max_micro_batches=8)
+        try:
+            results = [r for b in BATCHES for r in decode_records(model, tp, pp, b, prompt_len, steps, rounds)]
+            bubble = bubble_records(model, pp, bubble_batch, prompt_len, rounds)
+            all_reduce = all_reduce_records(tp, 200 if quick else 1000)
+        finally:
+            pp.close()
+    finally:
+        tp.close()
+    by = {(r["method"], r["batch"]): r["tokens_per_s"] for r in results}
+    ratios = {f"{m}_vs_single_1thread_batch{b}": by[(m, b)] / by[("single_1thread", b)]
+              for b in BATCHES for m in ("single_2threads", "tp2", "pp2")}
+    shape = f"GPT-2 124M widths, {config.n_layer} layers" if quick else "GPT-2 124M shape"
+    return {"benchmark": "parallel", "model": f"random {shape}, float32", "quick": quick,
+            "kernels": "none (chapter code in every process)",
+            "workload": {"prompt_tokens": prompt_len, "decode_steps": steps, "rounds": rounds,
+                         "bubble_batch": bubble_batch},
+            "results": results, "ratios": ratios, "bubble": bubble, "all_reduce": all_reduce}
