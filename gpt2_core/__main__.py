@@ -86,9 +86,10 @@ def main(argv=None) -> int:
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a benchmark (GPT-2 124M-shaped random weights)")
-    b.add_argument("name", choices=["kv-cache", "layout", "batching", "paged", "prefix", "padding", "quant"])
+    b.add_argument("name", choices=["kv-cache", "layout", "batching", "paged", "prefix", "padding", "quant",
+                                    "capstone"])
     b.add_argument("--json", default=None, help="write the results here as JSON")
-    b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged, prefix)")
+    b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged, prefix, capstone)")
     b.add_argument("--quick", action="store_true", help="small sizes (seconds instead of minutes)")
     b.set_defaults(func=_bench)
 

@@ -146,6 +146,9 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
             {("fp32", "numpy"), ("int8", "numpy"), ("int8", "numba")}
         assert {r["method"] for r in data["results"]} >= {"kv_fp32", "kv_fp16", "kv_int8"}
         assert all(r["weight_bytes"] > 0 for r in data["results"] if "weight_bytes" in r)
+    elif args[1] == "capstone":  # every chapter's engine: fp32 rows accelerated, int8 rows on chapter 6's kernels
+        assert data["kernels"].startswith("cpu_kernels.accelerate (fp32 rows)") and data["duration_s"] > 0
+        assert {"naive", "kv_cache", "continuous", "compute_bound"} <= {r["method"] for r in data["results"]}
     else:
         assert data["kernels"] == "cpu_kernels.accelerate"
     assert data["results"] and all(rec["tokens_per_s"] > 0 for rec in data["results"])
