@@ -281,3 +281,17 @@ def test_the_command_replays_a_trace(tmp_path):
     check_records(data, expected_tokens=15)
     assert data["final_method"] in ("continuous", "paged", "prefix_cached")
     assert "compute_bound" in r.stdout and "sweep" in r.stdout
+
+
+def test_the_composed_int8_row_adds_the_measured_dequantize_time_to_each_step():
+    """A full run composes NumPy's int8 path from the paged row (a full-size step takes about a second): its time
+    is the paged run's plus, per step, the time to dequantize every weight; its bytes are the int8 model's."""
+    model = tiny_model(config=CONFIG)
+    requests = workload(4)
+    paged, _ = C.batched_row(model, "paged", requests)
+    row = C.composed_quant_row(CONFIG, paged, requests, model)
+    added = row["dequantize_seconds_per_step"]
+    assert added > 0 and row["seconds"] == pytest.approx(paged["seconds"] + paged["model_steps"] * added)
+    assert row["tokens_per_s"] == pytest.approx(paged["output_tokens"] / row["seconds"])
+    assert row["flops"] == paged["flops"] and row["bytes_read"] < paged["bytes_read"]
+    assert row["ttft_p50_s"] is None and row["itl_p50_s"] == pytest.approx(paged["itl_p50_s"] + added)

@@ -47,12 +47,12 @@ from ..engine import LLMEngine, RequestOutput
 from ..kv_cache import kv_cache_bytes
 from ..paged_kv_store import PagedKVStore
 from ..prefix_cache import PrefixCachingKVStore
-from ..quantization import bytes_per_token, quantize_model
+from ..quantization import MATRICES, QuantizedEmbedding, bytes_per_token, quantize_model
 from ..sequence import FinishReason, Request, SequenceMetrics
 from ..weights import GPT2Model, random_model
 from . import workload as wl
 from .batching import gemm_bound_tokens_per_s, replay_hf, warm_up
-from .common import GRADING, QUICK, blas_info, blas_threads
+from .common import GRADING, QUICK, blas_info, blas_threads, median_time
 from .kv_cache import gemv_bandwidth
 from .paged import fresh
 from .replay import replay, replay_static
@@ -349,6 +349,35 @@ def quant_row(config: GPT2Config, kernel: str, requests, base: GPT2Model | None 
                        kernels=f"chapter code; int8 weights ({how}); float32 K/V in chapter 4's paged store")
 
 
+def dequantize_seconds(model: GPT2Model, repeats: int = 3) -> float:
+    """What NumPy's path adds to every model step of a quantized ``model``: each matmul first turns its whole
+    weight back into float32 (``QuantizedWeight.dequantize``), whatever the batch. The median of ``repeats`` rounds
+    of dequantizing every quantized weight once, as one step does."""
+    weights = [b[m][n]["weight"] for b in model.params["h"] for m, n in (k.split(".") for k in MATRICES)]
+    if isinstance(model.params["wte"], QuantizedEmbedding):
+        weights.append(model.params["wte"].T)  # the tied head
+    return median_time(lambda: [w.dequantize() for w in weights], repeats=repeats, warmup=1)
+
+
+def composed_quant_row(config: GPT2Config, paged: dict, requests, base: GPT2Model | None = None) -> dict:
+    """The ``int8`` row (NumPy's path) from the paged row of the same run: its steps, each longer by the measured
+    ``dequantize_seconds`` (a full-size step takes about a second here, so the end-to-end run would take many
+    minutes; ``--quick`` runs it end to end). Its latencies on the arrivals are not composed: None."""
+    model = quant_model(config, "numpy", base)
+    added = dequantize_seconds(model)
+    seconds = paged["seconds"] + paged["model_steps"] * added
+    passes = workload_passes("paged", lengths_of(requests))
+    work = count_work(config, passes, paged["model_steps"], bytes_per_token(model))
+    return {**{k: paged[k] for k in ("batch", "output_tokens", "kv_bytes_peak", "num_preemptions")},
+            "method": QUANT_FORMAT, "tokens_per_s": paged["output_tokens"] / seconds, "seconds": seconds,
+            "ttft_p50_s": None, "itl_p50_s": paged["itl_p50_s"] + added, "itl_p99_s": paged["itl_p99_s"] + added,
+            "weight_bytes": int(model.nbytes()), **work, "kernel": "numpy", "dequantize_seconds_per_step": added,
+            "basis": "composed: the paged engine's measured run, each of its steps longer by the measured time "
+                     "NumPy's path adds to a step (dequantizing every weight); ITL likewise; TTFT on the "
+                     "arrivals not composed (the server falls behind them)",
+            "kernels": "chapter code; int8 weights (dequantize, then BLAS); float32 K/V in chapter 4's paged store"}
+
+
 def numba_worker(conn, config, requests, threads) -> None:
     """The ``int8_numba`` row in its own process (numba's threads would slow OpenBLAS in the main one)."""
     with blas_threads(threads):
@@ -372,14 +401,18 @@ def numba_row(config: GPT2Config, requests, threads: int | None) -> tuple[dict |
     return row, tokens, "int8_numba: measured in a spawned worker process (numba's threads slow OpenBLAS)"
 
 
-def hf_row(model: GPT2Model, requests, threads: int, weights: GPT2Model | None = None) -> tuple[dict | None, str]:
-    """HF transformers' batched ``generate`` (random weights of its own, the same shape), offline and on the
-    arrivals, or (None, why not). Its clock starts after torch's warm-up call."""
+def hf_row(model: GPT2Model, requests, threads: int, weights: GPT2Model | None = None,
+           arrivals: bool = True) -> tuple[dict | None, str]:
+    """HF transformers' batched ``generate`` (random weights of its own, the same shape), offline and (if
+    ``arrivals``) on the arrivals, or (None, why not). Its clock starts after torch's warm-up call."""
     got = replay_hf(model, at_zero(requests), MAX_BATCH, threads)
     if got is None:
         return None, "torch/transformers not installed: no hf_transformers row (pip install 'gpt2-numpy[reference]')"
     outputs, batches = got
-    online, _ = replay_hf(model, fresh(requests), MAX_BATCH, threads)
+    if arrivals:
+        latency = latencies_of(replay_hf(model, fresh(requests), MAX_BATCH, threads)[0])
+    else:
+        latency = {"ttft_p50_s": None, "itl_p50_s": None, "itl_p99_s": None}
     lengths = lengths_of(requests)
     columns = max(P for P, _ in lengths) + max(N for _, N in lengths)
     offline = {"outputs": outputs, "seconds": wl.summarize(outputs)["duration_s"],
@@ -387,8 +420,10 @@ def hf_row(model: GPT2Model, requests, threads: int, weights: GPT2Model | None =
                "kv_bytes_peak": kv_bytes_per_position(model.config) * min(MAX_BATCH, len(requests)) * columns}
     import torch
 
-    row = record("hf_transformers", model, offline, latencies_of(online), workload_passes("hf_transformers", lengths),
-                 weights, batch=MAX_BATCH, threads=threads, kernels=f"torch {torch.__version__} (its own BLAS)")
+    row = record("hf_transformers", model, offline, latency, workload_passes("hf_transformers", lengths),
+                 weights, batch=MAX_BATCH, threads=threads, kernels=f"torch {torch.__version__} (its own BLAS)",
+                 latency_basis="the arrivals" if arrivals else "not replayed on the arrivals in a full run (it "
+                                                                "would add minutes): throughput only")
     return row, f"hf_transformers: torch {torch.__version__}, {threads} threads, random weights of its own"
 
 
@@ -487,15 +522,16 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     for method in ("static", "continuous", "paged", "prefix_cached"):
         rows.append(batched_row(model, method, requests, weights=base)[0])
     readings.append(measure_limits(model))
-    rows.append(quant_row(config, "numpy", requests)[0])
+    paged = next(r for r in rows if r["method"] == "paged")
+    rows.append(quant_row(config, "numpy", requests)[0] if quick else composed_quant_row(config, paged, requests))
     got, _, note = numba_row(config, requests, threads)
     (rows.append(got) if got is not None else skipped.append({"method": f"{QUANT_FORMAT}_numba", "reason": note}))
     points = sweep_points or ([(16, 16), (32, 32), (64, 64)] if quick else
                               [(32, 32), (64, 64), (128, 128), (256, 256), (512, 512)])
-    span_sweep = sweep(model, points, 4 if quick else 16, 4 if quick else 8)
+    span_sweep = sweep(model, points, 4 if quick else 8, 4 if quick else 8)
     readings.append(measure_limits(model))
     if include_optional:
-        got, note = hf_row(model, requests, threads, base)
+        got, note = hf_row(model, requests, threads, base, arrivals=quick)
         (rows.append(got) if got is not None else skipped.append({"method": "hf_transformers", "reason": note}))
     skipped.append({"method": "llamacpp", "reason": llamacpp_note()})
     limits = median_limits(readings)
