@@ -86,6 +86,15 @@ DELEGATING = {
                          "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
     "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
     "predict_speed": "def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)",
+    "predict_bound": "def predict_kv_cache_bound(config, lengths, weight_bytes, flops_per_s, bytes_per_s):\n"
+                     "    w = C.count_work(config, C.workload_passes('kv_cache', lengths), sum(n for _, n in lengths),\n"
+                     "                     weight_bytes)\n"
+                     "    b = C.roofline(w['flops'], w['bytes_read'], sum(n for _, n in lengths), flops_per_s, bytes_per_s)\n"
+                     "    return b['bound_tokens_per_s'], b['bound_kind']",
+    "shortest_over": "def shortest_over(measure, lengths, threshold=100.0):\n"
+                     "    best = C.shortest_span_over([dict(measure(p, n), prompt_len=p, new_tokens=n) for p, n in lengths],\n"
+                     "                                threshold)\n"
+                     "    return None if best is None else (best['prompt_len'], best['new_tokens'])",
 }
 
 
