@@ -94,9 +94,9 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="run a benchmark (GPT-2 124M-shaped random weights)")
     b.add_argument("name", choices=["kv-cache", "layout", "batching", "paged", "prefix", "padding", "quant",
-                                    "parallel", "serve"])
+                                    "parallel", "serve", "capstone"])
     b.add_argument("--json", default=None, help="write the results here as JSON")
-    b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged, prefix)")
+    b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged, prefix, capstone)")
     b.add_argument("--quick", action="store_true", help="small sizes (seconds instead of minutes)")
     b.add_argument("--base-url", default=None, help="serve: load an OpenAI-compatible server already running there "
                                                     "(e.g. http://127.0.0.1:8000/v1) instead of starting this one")

@@ -88,6 +88,15 @@ DELEGATING = {
                     "    return split_row_parallel(x, weight, bias, world, all_reduce)",
     "predict_bubble": "def bubble_from_stage_times(stage_seconds, micro_batches):\n"
                       "    return predicted_bubble(stage_seconds, micro_batches)",
+    "predict_bound": "def predict_kv_cache_bound(config, lengths, weight_bytes, flops_per_s, bytes_per_s):\n"
+                     "    w = C.count_work(config, C.workload_passes('kv_cache', lengths), sum(n for _, n in lengths),\n"
+                     "                     weight_bytes)\n"
+                     "    b = C.roofline(w['flops'], w['bytes_read'], sum(n for _, n in lengths), flops_per_s, bytes_per_s)\n"
+                     "    return b['bound_tokens_per_s'], b['bound_kind']",
+    "shortest_over": "def shortest_over(measure, lengths, threshold=100.0):\n"
+                     "    best = C.shortest_span_over([dict(measure(p, n), prompt_len=p, new_tokens=n) for p, n in lengths],\n"
+                     "                                threshold)\n"
+                     "    return None if best is None else (best['prompt_len'], best['new_tokens'])",
 }
 
 
@@ -201,12 +210,18 @@ def test_release_removes_solutions_hidden_tests_and_outputs(round_trip, chapter)
             assert "raise NotImplementedError()" in c.source
 
 
+# Stored runs a chapter may lack: it then plots its own live run and says so in the figure's title.
+OPTIONAL_STORED_RUNS = {"quant.json"}  # chapter 6: a full-size run needs a quiet machine (the kernels race BLAS)
+
+
 @pytest.mark.parametrize("chapter", IDS)
 def test_release_carries_the_stored_runs_the_chapter_plots(round_trip, chapter):
     """A released chapter reads its full-size figures from ``results/`` beside it, with no checkout needed."""
     source = next(p for p in CHAPTERS if p.stem == chapter)
     named = set(re.findall(r"results/([A-Za-z0-9_.-]+\.json)", source.read_text()))
-    assert {p.name for p in classroom.stored_results(source)} == named, f"{chapter}: a stored run is missing"
+    missing = named - {p.name for p in classroom.stored_results(source)}
+    assert missing <= OPTIONAL_STORED_RUNS, f"{chapter}: stored runs missing: {sorted(missing)}"
+    named -= missing
     released = round_trip.released[chapter].parent / "results"
     assert {p.name for p in released.glob("*.json")} == named
     for name in named:

@@ -150,6 +150,9 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
         assert {r["method"] for r in data["results"]} == {"single_1thread", "single_2threads", "tp2", "pp2"}
         assert all(r["same_tokens_as_single_1thread"] for r in data["results"])
         assert [r["micro_batches"] for r in data["bubble"]] == [1, 2, 4, 8]
+    elif args[1] == "capstone":  # every chapter's engine: fp32 rows accelerated, int8 rows on chapter 6's kernels
+        assert data["kernels"].startswith("cpu_kernels.accelerate (fp32 rows)") and data["duration_s"] > 0
+        assert {"naive", "kv_cache", "continuous", "compute_bound"} <= {r["method"] for r in data["results"]}
     else:
         assert data["kernels"] == "cpu_kernels.accelerate"
     assert data["results"] and all(rec["tokens_per_s"] > 0 for rec in data["results"])

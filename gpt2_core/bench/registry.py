@@ -8,6 +8,7 @@ import sys
 
 from ..errors import InvalidInputError, is_writable_file
 from .batching import bench_batching, bench_padding
+from .capstone import bench_capstone
 from .common import QUICK, blas_threads, machine_info
 from .kv_cache import bench_kv_cache
 from .layout import bench_layout
@@ -20,7 +21,7 @@ from .serve import bench_serve
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
               "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant,
-              "parallel": bench_parallel, "serve": bench_serve}
+              "parallel": bench_parallel, "serve": bench_serve, "capstone": bench_capstone}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
@@ -56,6 +57,9 @@ def _print_summary(out: dict) -> None:
     w(f"{out['benchmark']}  ({out['model']}; numpy {out['machine']['numpy']}, "
       f"BLAS {[(b['internal_api'], b['num_threads']) for b in out['machine']['blas']]}, "
       f"load {out['machine']['load_average_1min']})\n")
+    if out["benchmark"] == "capstone":
+        _print_capstone(out)
+        return
     for r in out["results"]:
         extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
                           not isinstance(v, (float, list)))
@@ -83,3 +87,25 @@ def _print_summary(out: dict) -> None:
         w("  GEMV bandwidth by matrix kind inside the chain, GB/s per round (bound: one head-shaped GEMV):\n")
         for k in rounds[0]:
             w(f"    {k:12s} " + " ".join(f"{r[k] / 1e9:5.1f}" for r in rounds) + "\n")
+
+
+def _print_capstone(out: dict) -> None:
+    w = sys.stdout.write
+    lim = out["limits"]
+    w(f"  workload: {out['workload']['name']}; GEMM {lim['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s, bandwidth "
+      f"{lim['bytes_per_s'] / 1e9:.1f} GB/s (medians of {len(out['limits_readings'])} readings); run "
+      f"{out['duration_s']:.0f} s\n")
+    naive = next(r["tokens_per_s"] for r in out["results"] if r["method"] == "naive")
+    w(f"  {'method':16s} {'tok/s':>9s} {'x naive':>8s} {'bound':>9s} {'kind':>6s} {'TTFT p50':>9s} {'ITL p50':>8s}\n")
+    for r in out["results"]:
+        ttft = "" if r["ttft_p50_s"] is None else f"{r['ttft_p50_s']:8.2f}s"
+        itl = "" if r["itl_p50_s"] is None else f"{1e3 * r['itl_p50_s']:6.0f}ms"
+        w(f"  {r['method']:16s} {r['tokens_per_s']:9.1f} {r['tokens_per_s'] / naive:7.1f}x "
+          f"{r['bound_tokens_per_s']:9.1f} {r['bound_kind']:>6s} {ttft:>9s} {itl:>8s}\n")
+    for s in out["skipped"]:
+        w(f"  skipped {s['method']}: {s['reason']}\n")
+    for p in out["sweep"]:
+        w(f"  sweep {p['prompt_len']:4d} + {p['new_tokens']:4d}: final {p['final_tokens_per_s']:7.1f} tok/s, naive "
+          f"{p['naive_tokens_per_s']:6.2f} tok/s, span {p['span']:6.1f}x\n")
+    for k, v in out["targets_met"].items():
+        w(f"  target {k}: {v}\n")

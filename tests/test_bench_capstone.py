@@ -1,0 +1,297 @@
+"""The capstone's benchmark: its FLOP count against a count of the calls the code really makes, the rooflines and
+their kind, every engine's tokens equal to chapter 2's, the optional rows skipped with a note, and
+``python -m gpt2_core bench capstone --trace FILE --json FILE`` end to end (GPT2_QUICK=1). Timings are a command,
+not a test: nothing here asserts a speed."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers import ROOT, tiny_model
+
+import gpt2_core
+from gpt2_core import generation, kv_cache, quant_kernels, static_batching
+from gpt2_core.bench import capstone as C
+from gpt2_core.bench.kv_cache import weight_bytes_per_token
+from gpt2_core.bench.workload import poisson_workload
+from gpt2_core.config import GPT2Config
+from gpt2_core.engine import LLMEngine
+from gpt2_core.quantization import bytes_per_token
+from gpt2_core.sequence import Request
+
+CONFIG = GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_head=4, n_layer=2)
+
+
+def workload(n=5, seed=0, vocab=96):
+    return poisson_workload(n, 50.0, vocab, seed=seed, prompt_len=(10, 0.5, 3, 20), output_len=(6, 0.5, 1, 12))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FLOPs: the formula against the matmuls the code performs
+
+
+class CallCounter:
+    """Wraps the matmul-bearing functions in every gpt2_core module that imported them and adds up their FLOPs
+    from the shapes they are called with: ``linear`` 2 x rows x in x out, ``lm_head`` 2 x rows x E x V, chapter 1's
+    ``attention`` and chapter 3's ``decode_attention`` 4 x H x T x S x D (Q K^T and P V), and static batching's
+    ``softmax`` over its [b, H, T, S] scores 4 x D per score (its attention's two products are written inline)."""
+
+    def __init__(self, monkeypatch, config):
+        import gpt2_core.model as M
+        import gpt2_core.model_runner as MR
+
+        self.flops, D = 0, config.head_dim
+        originals = {"linear": M.linear, "lm_head": M.lm_head, "attention": M.attention,
+                     "decode_attention": MR.decode_attention}
+
+        def linear(x, weight, bias):
+            self.flops += 2 * x.shape[0] * weight.shape[0] * weight.shape[1]
+            return originals["linear"](x, weight, bias)
+
+        def lm_head(params, x, eps):
+            self.flops += 2 * x.shape[0] * config.n_embd * config.vocab_size
+            return originals["lm_head"](params, x, eps)
+
+        def attention(q, k, v):
+            self.flops += 4 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2]
+            return originals["attention"](q, k, v)
+
+        def decode_attention(q, k, v):
+            self.flops += 4 * q.shape[0] * q.shape[1] * k.shape[1] * q.shape[2]
+            return originals["decode_attention"](q, k, v)
+
+        def static_softmax(x, axis=-1):
+            self.flops += 4 * D * x.size
+            return M.softmax(x, axis)
+
+        wrappers = {"linear": linear, "lm_head": lm_head, "attention": attention, "decode_attention": decode_attention}
+        for module in [m for name, m in sys.modules.items() if name.startswith("gpt2_core") and m is not None]:
+            for name, fn in wrappers.items():
+                if getattr(module, name, None) is originals[name]:
+                    monkeypatch.setattr(module, name, fn)
+        monkeypatch.setattr(static_batching, "softmax", static_softmax)
+
+
+def test_forward_flops_of_a_pass_is_the_gpt2_124m_figure():
+    gpt2 = gpt2_core.PRESETS["gpt2"]
+    assert C.forward_flops(gpt2, 1, 0, 0) == 24 * 768 ** 2 * 12 == 169_869_312  # ~170 MFLOP a position, blocks
+    assert C.forward_flops(gpt2, 0, 0, 1) == 2 * 768 * 50257  # ~77 MFLOP the head
+    assert C.forward_flops(gpt2, 3, 10, 1) == 3 * 169_869_312 + 12 * 4 * 768 * 3 * 10 + 2 * 768 * 50257
+
+
+@pytest.mark.parametrize("method", ["naive", "kv_cache", "continuous", "static"])
+def test_the_counted_flops_equal_a_count_of_the_calls_the_engine_makes(monkeypatch, method):
+    model = tiny_model(config=CONFIG)
+    requests = workload(6)
+    lengths = C.lengths_of(requests)
+    counter = CallCounter(monkeypatch, CONFIG)
+    if method == "naive":
+        for r in requests:
+            generation.generate(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=False)
+    elif method == "kv_cache":
+        for r in requests:
+            kv_cache.generate(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=False)
+    elif method == "continuous":
+        LLMEngine(model, max_num_seqs=len(requests)).generate_many(C.at_zero(requests))
+    else:
+        static_batching.static_generate(model, [r.prompt_token_ids for r in requests[:4]],
+                                        [r.max_new_tokens for r in requests[:4]], stop_at_eos=False)
+        lengths = lengths[:4]
+    expected = sum(C.forward_flops(CONFIG, q, k, h) for q, k, h in C.workload_passes(method, lengths, batch=4))
+    assert counter.flops == expected > 0
+    if method == "naive":  # naive recomputes: more work than the cached engines for the same tokens
+        cached = sum(C.forward_flops(CONFIG, q, k, h) for q, k, h in C.workload_passes("kv_cache", lengths))
+        assert expected > cached
+
+
+def test_naive_positions_grow_with_the_square_of_the_length():
+    one = sum(q for q, _, _ in C.request_passes("naive", 100, 100))
+    two = sum(q for q, _, _ in C.request_passes("naive", 200, 200))
+    assert one == 100 * 100 + 100 * 99 // 2 and 3.9 < two / one < 4.1
+    assert sum(q for q, _, _ in C.request_passes("kv_cache", 100, 100)) == 100 + 99  # each position once
+    assert C.request_passes("naive", 5, 0) == C.request_passes("kv_cache", 5, 0) == []
+
+
+def test_static_counts_its_padding():
+    passes = C.static_passes([(4, 3), (10, 1)])  # padded to 10, run 3 steps for both rows
+    assert passes == [(10, 10, 1), (10, 10, 1), (1, 11, 1), (1, 11, 1), (1, 12, 1), (1, 12, 1)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes and the roofline
+
+
+def test_count_work_charges_the_weights_once_per_step_and_the_kv_each_decode_reads():
+    passes = [(5, 5, 1), (1, 6, 1), (1, 7, 1)]
+    work = C.count_work(CONFIG, passes, model_steps=3, weight_bytes=1000)
+    per_position = 2 * CONFIG.n_layer * CONFIG.n_embd * 4
+    assert work["bytes_read"] == 3 * 1000 + (6 + 7) * per_position
+    assert work["positions"] == 7 and work["model_steps"] == 3
+    assert work["flops"] == sum(C.forward_flops(CONFIG, *p) for p in passes)
+
+
+def test_roofline_takes_the_slower_of_flops_and_bytes():
+    # 1 GFLOP at 100 GFLOP/s = 10 ms; 0.5 GB at 10 GB/s = 50 ms: bytes bind, 10 tokens in 50 ms
+    r = C.roofline(1e9, 0.5e9, 10, 100e9, 10e9)
+    assert r["bound_kind"] == "bytes" and r["bound_tokens_per_s"] == pytest.approx(200)
+    r = C.roofline(10e9, 0.5e9, 10, 100e9, 10e9)  # 100 ms of FLOPs
+    assert r["bound_kind"] == "flops" and r["bound_tokens_per_s"] == pytest.approx(100)
+
+
+def test_batch_one_decode_is_bound_by_bytes_and_a_big_batch_by_flops_on_gpt2_shape():
+    """The physics the chapter teaches, from the counts alone: at 120 GFLOP/s and 15 GB/s, one sequence decoding
+    reads 498 MB of weights per token (bytes bind); 32 sequences share each read (FLOPs bind)."""
+    gpt2 = gpt2_core.PRESETS["gpt2"]
+    weights = weight_bytes_per_token(gpt2_core.random_model(gpt2, seed=0))
+    one = C.count_work(gpt2, C.workload_passes("kv_cache", [(64, 64)]), 64, weights)
+    assert C.roofline(one["flops"], one["bytes_read"], 64, 120e9, 15e9)["bound_kind"] == "bytes"
+    batch = C.count_work(gpt2, C.workload_passes("continuous", [(64, 64)] * 32), 64, weights)
+    assert C.roofline(batch["flops"], batch["bytes_read"], 64 * 32, 120e9, 15e9)["bound_kind"] == "flops"
+
+
+def test_queue_latencies_place_service_times_on_the_arrivals():
+    # two requests of 1 s each (tokens at 0.2, 0.6, 1.0 s), arriving at 0 and 0.5: the second waits until 1.0
+    service = [(1.0, [0.2, 0.6, 1.0]), (1.0, [0.2, 0.6, 1.0])]
+    lat = C.queue_latencies(service, [0.0, 0.5])
+    assert lat["ttft_p50_s"] == pytest.approx(np.median([0.2, 1.0 + 0.2 - 0.5]))
+    assert lat["itl_p50_s"] == pytest.approx(0.4)
+
+
+def test_shortest_span_over_picks_the_fewest_positions():
+    points = [{"prompt_len": 64, "new_tokens": 64, "span": 80.0}, {"prompt_len": 256, "new_tokens": 256, "span": 150},
+              {"prompt_len": 128, "new_tokens": 128, "span": 101.0}]
+    assert C.shortest_span_over(points)["prompt_len"] == 128
+    assert C.shortest_span_over(points, 1000) is None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Same tokens: every engine of the table on the workload equals chapter 2
+
+
+def test_every_engine_gives_chapter_2s_greedy_tokens_on_the_workload():
+    model = tiny_model(config=CONFIG)
+    requests = workload(7, seed=3)
+    reference = {r.request_id: kv_cache.generate(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=False)
+                 for r in requests}
+    assert len({tuple(t) for t in reference.values()}) > 1  # the requests' tokens differ: a real comparison
+    rows = {"naive": C.naive_row(model, requests, stride=1), "kv_cache": C.kv_cache_row(model, requests)}
+    for method in ("static", "continuous", "paged", "prefix_cached"):
+        rows[method] = C.batched_row(model, method, requests)
+    for method, (row, outputs) in rows.items():
+        assert {o.request_id: o.output_token_ids for o in outputs} == reference, method
+        assert row["output_tokens"] == sum(r.max_new_tokens for r in requests), method
+    kernels = ["numpy"] + (["numba"] if quant_kernels.numba_available() else [])
+    for kernel in kernels:  # chapter 6: the same engine on int8 weights equals chapter 2 on the same weights
+        q = C.quant_model(CONFIG, kernel, model)
+        row, outputs = C.quant_row(CONFIG, kernel, requests, model)
+        assert {o.request_id: o.output_token_ids for o in outputs} == {
+            r.request_id: kv_cache.generate(q, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=False)
+            for r in requests}, kernel
+        assert row["weight_bytes"] == q.nbytes() < model.nbytes() / 2
+
+
+def test_the_naive_row_runs_a_subset_and_scales_by_positions():
+    model = tiny_model(config=CONFIG)
+    requests = workload(8)
+    row, outputs = C.naive_row(model, requests, stride=4)
+    assert [o.request_id for o in outputs] == [requests[0].request_id, requests[4].request_id]
+    sub = row["subset"]
+    assert sub["requests"] == 2 and sub["of"] == 8
+    assert row["seconds"] == pytest.approx(sub["of_positions"] / sub["positions_per_s"])
+    assert sub["of_positions"] == row["positions"] == sum(
+        q for r in requests for q, _, _ in C.request_passes("naive", len(r.prompt_token_ids), r.max_new_tokens))
+    assert row["tokens_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The whole run, in process (optional rows switched off) and from the command line
+
+
+def test_optional_rows_are_skipped_with_a_note(monkeypatch, tmp_path):
+    monkeypatch.setattr(quant_kernels, "numba_available", lambda: False)
+    monkeypatch.setattr(C, "replay_hf", lambda *a, **k: None)  # as without torch
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"prompt_len": p, "max_new_tokens": n, "arrival_s": a})
+                               for p, n, a in [(6, 4, 0.0), (12, 3, 0.01), (3, 5, 0.02)]) + "\n")
+    out = C.bench_capstone(quick=True, trace=str(trace), config=CONFIG, sweep_points=[(4, 4), (8, 8)])
+    skipped = {s["method"]: s["reason"] for s in out["skipped"]}
+    assert "numba is not installed" in skipped["int8_numba"]
+    assert "torch/transformers not installed" in skipped["hf_transformers"]
+    assert "llama-cpp-python is not installed" in skipped["llamacpp"]
+    methods = [r["method"] for r in out["results"]]
+    assert methods == ["naive", "kv_cache", "static", "continuous", "paged", "prefix_cached", "int8", "compute_bound"]
+    check_records(out, expected_tokens=12)
+    assert [(p["prompt_len"], p["new_tokens"]) for p in out["sweep"]] == [(4, 4), (8, 8)]
+
+
+def check_records(out: dict, expected_tokens: int) -> None:
+    """Every row has the issue's fields; each bound is its roofline at the run's limits; compute_bound is the
+    workload's cached FLOPs at the GEMM rate."""
+    limits = out["limits"]
+    assert limits["gemm_flops_per_s"] == pytest.approx(np.median([r["gemm_flops_per_s"] for r in
+                                                                   out["limits_readings"]]))
+    assert out["duration_s"] > 0
+    fields = {"method", "tokens_per_s", "bound_tokens_per_s", "bound_kind", "ttft_p50_s", "itl_p50_s", "itl_p99_s",
+              "kv_bytes_peak", "weight_bytes"}
+    for r in out["results"]:
+        assert fields <= set(r), r["method"]
+        assert r["bound_kind"] in ("flops", "bytes") and r["tokens_per_s"] > 0
+        if r["method"] == "compute_bound":
+            continue
+        assert r["output_tokens"] == expected_tokens, r["method"]
+        t_flops, t_bytes = r["flops"] / limits["gemm_flops_per_s"], r["bytes_read"] / limits["bytes_per_s"]
+        assert r["bound_kind"] == ("flops" if t_flops >= t_bytes else "bytes"), r["method"]
+        assert r["bound_tokens_per_s"] == pytest.approx(expected_tokens / max(t_flops, t_bytes)), r["method"]
+        assert r["ttft_p50_s"] > 0 and r["itl_p99_s"] >= r["itl_p50_s"] > 0, r["method"]
+    by = {r["method"]: r for r in out["results"]}
+    cached = by["kv_cache"]["flops"]  # each position once, as chapter 2 computes them
+    assert by["compute_bound"]["flops"] == cached
+    assert by["compute_bound"]["tokens_per_s"] == pytest.approx(expected_tokens * limits["gemm_flops_per_s"] / cached)
+    assert by["naive"]["flops"] > by["kv_cache"]["flops"] == by["continuous"]["flops"] <= by["static"]["flops"]
+    assert by["naive"]["kv_bytes_peak"] == 0 < by["kv_cache"]["kv_bytes_peak"] <= by["static"]["kv_bytes_peak"]
+    assert by["continuous"]["weight_bytes"] == by["paged"]["weight_bytes"] > 2 * by["int8"]["weight_bytes"]
+
+
+def test_the_command_replays_a_trace(tmp_path):
+    """``python -m gpt2_core bench capstone --trace FILE --json FILE`` as the README types it (GPT2_QUICK=1: 2
+    layers of GPT-2 124M's shape): the trace is what runs, every row of the table is there or skipped with a
+    note, and the run states its duration."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(line) for line in [
+        {"prompt_len": 12, "max_new_tokens": 6, "arrival_s": 0.0},
+        {"prompt": "It is a truth universally acknowledged", "max_new_tokens": 5, "arrival_s": 0.1},
+        {"request_id": "third", "prompt_len": 20, "max_new_tokens": 4, "arrival_s": 0.2}]) + "\n")
+    out = tmp_path / "capstone.json"
+    r = subprocess.run([sys.executable, "-m", "gpt2_core", "bench", "capstone", "--trace", str(trace), "--json",
+                        str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT,
+                       env={**os.environ, "GPT2_QUICK": "1"})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["workload"]["name"] == str(trace) and data["workload"]["num_requests"] == 3
+    assert data["quick"] is True and "2 layers" in data["model"] and data["duration_s"] > 0
+    got = {rec["method"] for rec in data["results"]} | {s["method"] for s in data["skipped"]}
+    assert got >= {"naive", "kv_cache", "static", "continuous", "paged", "prefix_cached", "int8", "int8_numba",
+                   "hf_transformers", "llamacpp", "compute_bound"}
+    assert all(s["reason"] for s in data["skipped"])
+    check_records(data, expected_tokens=15)
+    assert data["final_method"] in ("continuous", "paged", "prefix_cached")
+    assert "compute_bound" in r.stdout and "sweep" in r.stdout
+
+
+def test_the_composed_int8_row_adds_the_measured_dequantize_time_to_each_step():
+    """A full run composes NumPy's int8 path from the paged row (a full-size step takes about a second): its time
+    is the paged run's plus, per step, the time to dequantize every weight; its bytes are the int8 model's."""
+    model = tiny_model(config=CONFIG)
+    requests = workload(4)
+    paged, _ = C.batched_row(model, "paged", requests)
+    row = C.composed_quant_row(CONFIG, paged, requests, model)
+    added = row["dequantize_seconds_per_step"]
+    assert added > 0 and row["seconds"] == pytest.approx(paged["seconds"] + paged["model_steps"] * added)
+    assert row["tokens_per_s"] == pytest.approx(paged["output_tokens"] / row["seconds"])
+    assert row["flops"] == paged["flops"] and row["bytes_read"] < paged["bytes_read"]
+    assert row["ttft_p50_s"] is None and row["itl_p50_s"] == pytest.approx(paged["itl_p50_s"] + added)
