@@ -51,6 +51,22 @@ def test_prefix_caching_serves_the_same_tokens_and_computes_fewer_prompt_tokens(
     assert cached["prefill_tokens_computed"] == prompt - cached["prefill_tokens_saved"]
 
 
+def test_ttft_on_arrivals_counts_from_each_arrival_and_the_workload_spreads_them_evenly():
+    """``serve(..., time_scale=...)`` replays the requests at their arrivals on the wall clock: a request's TTFT
+    counts from its own arrival, so on a server that keeps up it is about its own prefill, not the queue ahead of
+    it; the default workload's arrivals are one every turn_gap_s / num_conversations seconds."""
+    reqs = shared_prefix_workload(num_conversations=4, turns=2, system_len=32, turn_gap_s=2.0)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    small = narrow_model()
+    reqs = for_model(reqs, small)
+    offline = serve(small, "prefix_cached", reqs, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256)
+    paced = serve(small, "prefix_cached", reqs, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256,
+                  time_scale=0.1)
+    assert offline["arrivals"] == "offline (all at t=0)" and paced["arrivals"] == "arrival_s x 0.1"
+    assert paced["seconds"] >= 0.35 and paced["output_tokens"] == offline["output_tokens"]  # the last came at 0.35 s
+    assert paced["num_errors"] == 0
+
+
 def test_chunked_prefill_spreads_a_long_prompt_over_steps_of_the_chunk_budget():
     small = narrow_model()
     reqs = for_model(long_prompt_workload(2, 8, 100, (2,)), small)
@@ -101,6 +117,9 @@ def test_bench_prefix_command_with_a_trace_writes_the_documented_json(tmp_path):
     assert set(methods) == {"paged", "paged_attention", "prefix_cached"}
     for r in methods.values():
         assert r["tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 and r["output_tokens"] == sum(q.max_new_tokens for q in reqs)
+        assert r["ttft_p50_offline_s"] > 0 and r["arrivals"] == "offline (all at t=0)"  # throughput: offline
+        assert r["ttft_arrivals"] == "arrival_s x 1" and len(r["ttft_p50_s_runs"]) == 1  # TTFT: the trace's arrivals
+    assert data["ttft_arrivals"] == "the trace's own arrival times"
     assert methods["prefix_cached"]["prefill_tokens_computed"] < methods["paged"]["prefill_tokens_computed"]
     assert set(data["chunked_prefill"]) == {"whole_prefill", "chunked_prefill"}
     assert all(data["chunked_prefill"][k]["itl_p99_s"] > 0 for k in data["chunked_prefill"])

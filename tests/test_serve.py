@@ -253,6 +253,42 @@ def test_sigterm_ends_in_flight_requests_and_exits_cleanly():
         assert rest is not None
 
 
+def test_sigterm_aborts_requests_that_outlast_the_grace_period(model):
+    """Streams that cannot finish within ``--graceful-shutdown-s`` (200 tokens at >= 50 ms a step: over 10 s,
+    against a grace of 1 s) are aborted when it ends: each client's stream ends properly, early, with finish reason
+    ``abort`` and ``[DONE]`` (not a connection cut mid-stream, never a hang), and the process exits 0 soon after,
+    without a traceback."""
+    long = [p for p in PROMPTS if greedy_text(model, p, 200)[1] == 200][:3]  # no eos before 200 tokens
+    assert long, "a prompt whose greedy run lasts 200 tokens"
+    chunks = {p: [] for p in long}
+    with ServerProcess("--graceful-shutdown-s", "1", "--step-delay-s", "0.05") as s:
+        body = {"model": MODEL, "max_tokens": 200, "temperature": 0, "stream": True}
+
+        def stream(prompt):
+            try:
+                with httpx.stream("POST", s.url + "/v1/completions", json={**body, "prompt": prompt},
+                                  timeout=30) as r:
+                    lines = list(r.iter_lines())
+            except httpx.HTTPError as e:  # the connection was cut mid-stream
+                return type(e).__name__
+            chunks[prompt] += [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+            return "ended with [DONE]" if "data: [DONE]" in lines else "ended without [DONE]"
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(stream, p) for p in chunks]
+            assert wait_until(lambda: metrics(s.url)["gpt2_num_requests_running"] == len(chunks), timeout=30)
+            time.sleep(0.5)  # a few tokens each
+            s.proc.send_signal(signal.SIGTERM)
+            t = time.perf_counter()
+            outcomes = [f.result(timeout=20) for f in futures]
+        assert s.proc.wait(15) == 0 and time.perf_counter() - t < 10, outcomes
+        assert "Traceback" not in "".join(s.stderr), "".join(s.stderr)
+    assert outcomes == ["ended with [DONE]"] * len(chunks)
+    for prompt, got in chunks.items():  # every stream was aborted before its 200 tokens
+        assert 1 < len(got) < 200, (prompt, len(got))
+        assert [c["choices"][0]["finish_reason"] for c in got] == [None] * (len(got) - 1) + ["abort"], prompt
+
+
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(model):
     """In process: the engine's step raises once; the request in it gets an error, the next one is served."""
     from starlette.testclient import TestClient

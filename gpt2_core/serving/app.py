@@ -16,8 +16,10 @@ import math
 import signal
 import socket
 import sys
+import threading
 import time
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -243,10 +245,29 @@ def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: in
     return app
 
 
+ABORT_MARGIN_S = 1.0  # after the grace period, the aborted streams get this long to send their last event
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, which on the first SIGTERM/SIGINT also starts the grace period's clock: when it runs out,
+    every request still in the engine is aborted, so that each stream ends with finish reason ``abort`` and
+    ``[DONE]`` instead of being cancelled mid-write (uvicorn's own timeout, ``ABORT_MARGIN_S`` later, is then a
+    backstop)."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, grace_s: float):
+        super().__init__(config)
+        self.engine_loop, self.grace_s = engine_loop, grace_s
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            timer = threading.Timer(self.grace_s, self.engine_loop.abort_all)
+            timer.daemon = True
+            timer.start()
+        super().handle_exit(sig, frame)
+
+
 def serve_main(args) -> int:
     """``python -m gpt2_core serve``: load the model, bind, print where it listens, serve until SIGTERM/Ctrl-C."""
-    import uvicorn
-
     from ..weights import load_model
 
     model = load_model(args.model)
@@ -268,11 +289,12 @@ def serve_main(args) -> int:
     sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     host, port = sock.getsockname()[:2]
     print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_shutdown_s,
+    grace = args.graceful_shutdown_s
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + ABORT_MARGIN_S,
                             access_log=False)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler found at start: a no-op
     # one, so that a SIGTERM ends the process with status 0 once everything is shut down
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.Server(config).run(sockets=[sock])
+    GracefulServer(config, app.state.server.loop, grace).run(sockets=[sock])
     print("server stopped", file=sys.stderr, flush=True)
     return 0

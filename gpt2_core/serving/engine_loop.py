@@ -94,6 +94,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every request in the engine (the grace period of a shutdown is over): each ends with finish
+        reason ``abort``, its stream closed properly, its blocks freed."""
+        self.inbox.put(("abort_all",))
+
     # -- the engine's thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -127,6 +132,9 @@ class EngineLoop:
                     self._add(message[1])
                 elif message[0] == "abort":
                     self._abort(message[1])
+                elif message[0] == "abort_all":
+                    for request_id in list(self.active):
+                        self._abort(request_id)
                 message = self.inbox.get_nowait()
         except queue.Empty:
             pass
