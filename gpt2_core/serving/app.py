@@ -245,8 +245,6 @@ def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: in
 
 def serve_main(args) -> int:
     """``python -m gpt2_core serve``: load the model, bind, print where it listens, serve until SIGTERM/Ctrl-C."""
-    import uvicorn
-
     from ..weights import load_model
 
     model = load_model(args.model)
@@ -262,17 +260,31 @@ def serve_main(args) -> int:
     app = make_app(model, name, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                    aging_s=args.priority_aging_s)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
-    host, port = sock.getsockname()[:2]
+    sock, host, port = listen(args.host, args.port)
     print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.graceful_shutdown_s,
+    run_app(app, sock, args.log_level, args.graceful_shutdown_s)
+    print("server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def listen(host: str, port: int) -> tuple[socket.socket, str, int]:
+    """A socket bound to ``host:port`` (0: any free port) and listening, and the address it got: connections made
+    from now on wait in the backlog until uvicorn accepts them."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
+    return sock, host, port
+
+
+def run_app(app, sock: socket.socket, log_level: str, graceful_shutdown_s: float) -> None:
+    """Serve ``app`` with uvicorn on ``sock`` until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s,
                             access_log=False)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler found at start: a no-op
     # one, so that a SIGTERM ends the process with status 0 once everything is shut down
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.Server(config).run(sockets=[sock])
-    print("server stopped", file=sys.stderr, flush=True)
-    return 0
