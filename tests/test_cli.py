@@ -157,9 +157,10 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
         for r in served.values():
             assert r["completed"] == r["num_requests"] == data["router"]["workload"]["num_requests"]
             assert 0 < r["hit_rate"] < 1 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
-        assert sum(served["round_robin"]["requests_per_replica"]) == served["round_robin"]["num_requests"]
-        assert served["prefix_affinity"]["conversations_on_one_replica"] >= \
-            served["round_robin"]["conversations_on_one_replica"]
+        for policy in ("round_robin", "prefix_affinity"):  # every request routed, every turn placed
+            r = served[policy]
+            assert sum(r["requests_per_replica"]) == r["num_requests"] and r["router"] == policy
+            assert sum(map(len, r["replica_by_conversation"].values())) == r["num_requests"]
         ratio = served["prefix_affinity"]["hit_rate"] / served["round_robin"]["hit_rate"]
         assert data["ratios"]["prefix_affinity_over_round_robin_hit_rate"] == pytest.approx(ratio)
         assert data["targets_met"] == {"prefix_affinity_over_round_robin_hit_rate >= 1.5": ratio >= 1.5}

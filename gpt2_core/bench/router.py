@@ -24,6 +24,7 @@ import re
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +158,16 @@ def summarize_arm(records: list[dict], seconds: float, queried: float, hits: flo
             "replica_by_conversation": placement if replicas else None}
 
 
+def run_async(coroutine):
+    """``asyncio.run(coroutine)``, also where an event loop is running already (a notebook's): then in a thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def run_arm(arm: str, server_args: list[str], requests: list, vocab_size: int, seed: int,
             one_at_a_time: bool = False) -> dict:
     """One arm on fresh servers (and router), stopped at the end."""
@@ -172,8 +183,8 @@ def run_arm(arm: str, server_args: list[str], requests: list, vocab_size: int, s
             router = RouterProcess(*(a for s in servers for a in ("--replica", s.url)), "--policy", policy)
             stack.callback(router.stop)
             base_url = router.base_url
-        out = asyncio.run(measure_arm(base_url, [s.base_url for s in servers], requests, vocab_size, seed,
-                                      one_at_a_time))
+        out = run_async(measure_arm(base_url, [s.base_url for s in servers], requests, vocab_size, seed,
+                                    one_at_a_time))
     return {"method": arm, "batch": int(server_args[server_args.index("--max-num-seqs") + 1]),
             "workload": "shared_prefix_chat", "processes": len(servers), "router": policy,
             "blas_threads_per_process": 1 if policy else 2, **out}
