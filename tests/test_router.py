@@ -236,10 +236,15 @@ def test_bad_requests_get_the_replicas_answer(affinity):
     assert m["gpt2_router_replicas_alive"] == 2 and "process_resident_memory_bytes" in m
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (all held open together while they are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def wait_until(predicate, timeout=10.0) -> bool:
@@ -294,7 +299,7 @@ def test_a_killed_replica_fails_its_requests_and_leaves_the_rotation():
 def test_no_replica_alive_is_a_503_until_one_comes_back():
     """A router whose replicas are not running: 503s with a clear message; a server started on one of their ports
     is taken into rotation by the health probe."""
-    ports = [free_port(), free_port()]
+    ports = free_ports(2)
     with RouterProcess(*(a for p in ports for a in ("--replica", f"http://127.0.0.1:{p}"))) as router:
         r = httpx.post(router.base_url + "/completions", json={"model": MODEL, "prompt": "Emma"})
         assert r.status_code == 503 and "no replica is alive" in r.json()["error"]["message"]

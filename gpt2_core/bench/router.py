@@ -21,7 +21,6 @@ import contextlib
 import importlib.util
 import json
 import re
-import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
