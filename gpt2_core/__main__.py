@@ -1,5 +1,5 @@
-"""Command line: ``python -m gpt2_core generate "prompt"``, ``python -m gpt2_core bench NAME`` and
-``python -m gpt2_core serve``."""
+"""Command line: ``python -m gpt2_core generate "prompt"``, ``python -m gpt2_core bench NAME``,
+``python -m gpt2_core serve`` and ``python -m gpt2_core route``."""
 
 from __future__ import annotations
 
@@ -68,13 +68,19 @@ def _serve(args) -> int:
     return serve_main(args)
 
 
+def _route(args) -> int:
+    from .serving.router import route_main
+
+    return route_main(args)
+
+
 def _classroom(args) -> int:
     from .classroom import cli
 
     return cli(args)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gpt2_core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -127,6 +133,27 @@ def main(argv=None) -> int:
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=_serve)
 
+    rt = sub.add_parser("route", help="a router in front of replicas of `serve`: round robin or cache-aware "
+                                      "(needs the serve extra)")
+    rt.add_argument("--replica", action="append", default=[], metavar="URL",
+                    help="a running server's URL, e.g. http://127.0.0.1:8001 (repeat for each replica)")
+    rt.add_argument("--replicas", type=int, default=0, metavar="N",
+                    help="start N `serve` replicas here (free loopback ports, 1 BLAS thread each), stopped with the "
+                         "router; arguments after -- go to each (e.g. -- --model gpt2 --plain)")
+    rt.add_argument("--policy", choices=["prefix_affinity", "round_robin"], default="prefix_affinity",
+                    help="prefix_affinity: the replica most likely to hold the prompt's prefix (default); "
+                         "round_robin: the replicas in turn")
+    rt.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    rt.add_argument("--port", type=int, default=8000, help="port (0: any free port; the line printed says which)")
+    rt.add_argument("--balance-abs", type=int, default=4,
+                    help="prefix_affinity: a replica with more than this many requests in flight above the least "
+                         "loaded one...")
+    rt.add_argument("--balance-rel", type=float, default=1.5,
+                    help="...and more than this many times as many is overloaded: the least loaded gets the request")
+    rt.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    rt.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    rt.set_defaults(func=_route)
+
     c = sub.add_parser("classroom", help="release the chapters as nbgrader assignments, autograde submissions "
                                          "(needs the classroom extra; see notebooks/TEACHING.md)")
     csub = c.add_subparsers(dest="action", required=True)
@@ -146,7 +173,11 @@ def main(argv=None) -> int:
         p.add_argument("--timeout", type=int, default=600, help="seconds a cell may run while autograding")
     c.set_defaults(func=_classroom)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except GPT2Error as e:

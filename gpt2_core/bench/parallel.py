@@ -5,6 +5,11 @@ Every method runs the same batched chapter-1 code (``tensor_parallel.shard_forwa
 model with 1 or 2 BLAS threads, or split over two worker processes of 1 BLAS thread each. Methods take turns in
 every round (``interleaved``), so the machine's drift falls on all of them; each reading is the decode time of
 ``steps`` greedy steps after a prefill, and all methods must give the same tokens (checked and recorded).
+
+The third way to use two cores, **replicas behind a router** (``bench.router``): chapter 5's shared-prefix chat
+workload over HTTP on two ``serve`` replicas of 1 thread each behind ``route`` (``round_robin``,
+``prefix_affinity``) and on one server of 2 threads (``single_2threads_server``): prefix-cache hit rate, TTFT and
+throughput per arm, and whether cache-aware routing reaches 1.5x round robin's hit rate.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ..pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble
 from ..tensor_parallel import BatchKVCache, TensorParallelModel, no_communication, shard_forward
 from ..weights import random_model
 from .common import QUICK, blas_threads, interleaved
+from .router import missing_extra, router_records
 
 BATCHES = (1, 32)
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -136,9 +142,13 @@ def bench_parallel(quick: bool = QUICK) -> dict:
     by = {(r["method"], r["batch"]): r["tokens_per_s"] for r in results}
     ratios = {f"{m}_vs_single_1thread_batch{b}": by[(m, b)] / by[("single_1thread", b)]
               for b in BATCHES for m in ("single_2threads", "tp2", "pp2")}
+    skipped = missing_extra()
+    router = {"router": {"skipped": skipped}, "targets_met": {}} if skipped else router_records(quick, model)
+    results += router.pop("results", [])
+    ratios.update(router.pop("ratios", {}))
     shape = f"GPT-2 124M widths, {config.n_layer} layers" if quick else "GPT-2 124M shape"
     return {"benchmark": "parallel", "model": f"random {shape}, float32", "quick": quick,
             "kernels": "none (chapter code in every process)",
             "workload": {"prompt_tokens": prompt_len, "decode_steps": steps, "rounds": rounds,
                          "bubble_batch": bubble_batch},
-            "results": results, "ratios": ratios, "bubble": bubble, "all_reduce": all_reduce}
+            "results": results, "ratios": ratios, "bubble": bubble, "all_reduce": all_reduce, **router}

@@ -62,8 +62,11 @@ def _print_summary(out: dict) -> None:
         return
     for r in out["results"]:
         extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
-                          not isinstance(v, (float, list)))
+                          not isinstance(v, (float, list, dict)))
         w(f"  {r['method']:16s} batch {r['batch']:>3}  {r['tokens_per_s']:9.2f} tok/s  {extra}\n")
+        if r.get("hit_rate") is not None:  # a serving record (bench parallel's router arms)
+            w(f"  {'':16s} prefix-cache hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_s']:.3f} s, "
+              f"p99 {r['ttft_p99_s']:.3f} s\n")
     for r in out.get("bubble", []):
         w(f"  pipeline bubble, {r['micro_batches']} micro-batches: measured {r['bubble_measured']:.3f}, "
           f"(p-1)/(m+p-1) = {r['bubble_ideal']:.3f}\n")
@@ -71,6 +74,8 @@ def _print_summary(out: dict) -> None:
         w(f"  one all-reduce of [{r['rows']}, E] between two workers: {1e6 * r['seconds']:.0f} us\n")
     for k, v in out.get("ratios", {}).items():
         w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")
+    for k, v in out.get("targets_met", {}).items():
+        w(f"  target {k}: {v}\n")
     if "profile_ms_per_step" in out:
         total = sum(out["profile_ms_per_step"].values())
         w("  where a decode step's time goes (ms per step, all layers):\n")

@@ -57,17 +57,19 @@ class Client:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
-    async def complete(self, prompt: str, priority: int) -> dict:
+    async def complete(self, prompt: str | list[int], priority: int, max_tokens: int | None = None) -> dict:
+        """One streamed, greedy completion of ``prompt`` (text or token ids): its status, TTFT, inter-token gaps,
+        end-to-end time, tokens, and the replica that served it when a router says so."""
         import json
 
-        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens or self.max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, "priority": priority}
         rec = {"priority": priority, "status": None, "ttft_s": None, "itl_s": [], "e2e_s": None, "tokens": 0}
         start = time.perf_counter()
         last = None
         try:
             async with self.http.stream("POST", self.base_url + "/completions", json=body) as r:
-                rec["status"] = r.status_code
+                rec["status"], rec["replica"] = r.status_code, r.headers.get("x-gpt2-replica")
                 if r.status_code != 200:
                     await r.aread()
                     rec["e2e_s"] = time.perf_counter() - start

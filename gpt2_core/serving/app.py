@@ -283,18 +283,36 @@ def serve_main(args) -> int:
     app = make_app(model, name, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                    aging_s=args.priority_aging_s)
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
-    host, port = sock.getsockname()[:2]
+    sock, host, port = listen(args.host, args.port)
     print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
-    grace = args.graceful_shutdown_s
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=grace + ABORT_MARGIN_S,
+    run_app(app, sock, args.log_level, args.graceful_shutdown_s, app.state.server.loop)
+    print("server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def listen(host: str, port: int) -> tuple[socket.socket, str, int]:
+    """A socket bound to ``host:port`` (0: any free port) and listening, and the address it got: connections made
+    from now on wait in the backlog until uvicorn accepts them."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    host, port = sock.getsockname()[:2]
+    return sock, host, port
+
+
+def run_app(app, sock: socket.socket, log_level: str, graceful_shutdown_s: float,
+            engine_loop: EngineLoop | None = None) -> None:
+    """Serve ``app`` with uvicorn on ``sock`` until SIGTERM or Ctrl-C. With ``engine_loop`` (a server), requests
+    still running when the grace period ends are aborted (``GracefulServer``); uvicorn's own timeout comes
+    ``ABORT_MARGIN_S`` later, for their streams to end."""
+    margin = ABORT_MARGIN_S if engine_loop is not None else 0.0
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s + margin,
                             access_log=False)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler found at start: a no-op
     # one, so that a SIGTERM ends the process with status 0 once everything is shut down
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    GracefulServer(config, app.state.server.loop, grace).run(sockets=[sock])
-    print("server stopped", file=sys.stderr, flush=True)
-    return 0
+    if engine_loop is None:
+        uvicorn.Server(config).run(sockets=[sock])
+    else:
+        GracefulServer(config, engine_loop, graceful_shutdown_s).run(sockets=[sock])

@@ -1,5 +1,5 @@
-"""Start ``python -m gpt2_core serve`` in a child process on a free loopback port, and stop it (SIGTERM): what the
-tests, the load benchmark and the serving notebook do."""
+"""Start ``python -m gpt2_core serve`` (or ``route``) in a child process on a free loopback port, and stop it
+(SIGTERM): what the tests, the load benchmarks and the serving notebooks do."""
 
 from __future__ import annotations
 
@@ -10,14 +10,24 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def blas_env(threads: int) -> dict:
+    """Environment variables giving a child process's BLAS (OpenBLAS, OpenMP builds, MKL) ``threads`` threads."""
+    return {name: str(threads) for name in BLAS_THREAD_VARIABLES}
 
 
 class ServerProcess:
     """A running server: ``url`` (``http://127.0.0.1:PORT``), ``base_url`` (``.../v1``), ``pid``; ``stop()`` sends
     SIGTERM and returns the exit code. Also a context manager."""
 
+    command = "serve"
+
     def __init__(self, *args: str, timeout: float = 120.0, env: dict | None = None):
-        cmd = [sys.executable, "-m", "gpt2_core", "serve", "--port", "0", *args]
+        cmd = [sys.executable, "-m", "gpt2_core", self.command, "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         self.stderr: list[str] = []
@@ -57,3 +67,27 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RouterProcess(ServerProcess):
+    """A running ``python -m gpt2_core route`` (``args``: its flags, e.g. ``--replica URL --replica URL``)."""
+
+    command = "route"
+
+
+def start_servers(n: int, *args: str, threads: int = 1, timeout: float = 120.0) -> list[ServerProcess]:
+    """``n`` servers started side by side (``args`` for each), each with ``threads`` BLAS threads; if one fails to
+    start, the others are stopped and the error raised."""
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(ServerProcess, *args, timeout=timeout, env=blas_env(threads)) for _ in range(n)]
+    servers, errors = [], []
+    for f in futures:
+        try:
+            servers.append(f.result())
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+    return servers

@@ -89,3 +89,47 @@ class ServerMetrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RouterMetrics:
+    """The router's metrics: requests routed to each replica (by policy), replicas in rotation, requests in flight,
+    failures talking to a replica, requests refused because no replica was alive."""
+
+    def __init__(self, policy: str, urls: list[str]):
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        self.policy, self.urls = policy, urls
+        self._routed = Counter("gpt2_router_requests_routed", "Requests sent to each replica", ["policy", "replica"],
+                               registry=r)
+        self._up = Gauge("gpt2_router_replica_up", "1 while the replica is in rotation, else 0", ["replica"],
+                         registry=r)
+        self.alive = Gauge("gpt2_router_replicas_alive", "Replicas in rotation", registry=r)
+        self._in_flight = Gauge("gpt2_router_requests_in_flight", "Requests sent to the replica, not yet answered",
+                                ["replica"], registry=r)
+        self._errors = Counter("gpt2_router_proxy_errors", "Failures talking to a replica, by kind (connect: could "
+                               "not connect; request: failed during a request; health_probe: its /health failed)",
+                               ["replica", "kind"], registry=r)
+        self.unavailable = Counter("gpt2_router_requests_unavailable", "Requests refused with 503: no replica alive",
+                                   registry=r)
+        for url in urls:
+            self._routed.labels(policy, url)
+            self._up.labels(url).set(1)
+            self._in_flight.labels(url).set(0)
+        self.alive.set(len(urls))
+
+    def routed(self, replica: int, in_flight: int) -> None:
+        self._routed.labels(self.policy, self.urls[replica]).inc()
+        self.in_flight(replica, in_flight)
+
+    def in_flight(self, replica: int, count: int) -> None:
+        self._in_flight.labels(self.urls[replica]).set(count)
+
+    def set_up(self, replica: int, up: bool, num_alive: int) -> None:
+        self._up.labels(self.urls[replica]).set(1 if up else 0)
+        self.alive.set(num_alive)
+
+    def error(self, replica: int, kind: str) -> None:
+        self._errors.labels(self.urls[replica], kind).inc()
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,250 @@
+"""Chapter 8's replicas behind a router, measured in ``python -m gpt2_core bench parallel``.
+
+Chapter 5's shared-prefix chat workload (``shared_prefix_workload``: one system prompt for everyone, conversations
+that resend their history every turn) served over HTTP, loaded by ``bench serve``'s client, three ways:
+
+* ``round_robin`` and ``prefix_affinity``: two ``serve`` replicas of 1 BLAS thread each behind ``route`` with
+  that policy;
+* ``single_2threads_server``: one ``serve`` with 2 BLAS threads, no router.
+
+A conversation's next turn is sent once every reply of the turn before has come back (a user answers what they
+read); within a turn the requests come with the workload's spacing (50 ms) in a seeded, shuffled order. Every arm
+starts on fresh servers (empty caches) running the chapters' plain NumPy code (``--plain``). Per arm: the prefix
+cache hit rate of its servers (their ``/metrics`` counters over the run: hit tokens / looked-up tokens), TTFT p50
+and p99 as the client sees it, output tokens/s over the run, and where the requests went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import re
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .common import interleaved
+from .prefix import BLOCK_SIZE, shared_prefix_workload
+from .serve import Client, percentile
+
+POLICIES = ("round_robin", "prefix_affinity")
+SINGLE = "single_2threads_server"
+ARMS = (*POLICIES, SINGLE)
+CHAT = {"num_conversations": 12, "turns": 4, "system_len": 384}  # chapter 5's workload, its defaults as they are
+# Quick: the embedded model's context is 256 positions; the last turn's prompt and reply must fit in it.
+CHAT_QUICK = {"num_conversations": 6, "turns": 3, "system_len": 64, "user_len": (16, 0.5, 8, 32),
+              "output_len": (8, 0.3, 4, 16)}
+SERVER_ARGS = ("--plain", "--max-num-seqs", "16")  # the chapters' code; room for every prompt of the run cached
+
+
+def chat_workload(quick: bool, vocab_size: int) -> tuple[list, dict]:
+    params = CHAT_QUICK if quick else CHAT
+    return shared_prefix_workload(vocab_size=vocab_size, **params), params
+
+
+def turn_of(request) -> tuple[int, int]:
+    """(conversation, turn) of a ``shared_prefix_workload`` request (its id is ``c{conversation}t{turn}``), or of
+    a client's record of one."""
+    rid = request["request_id"] if isinstance(request, dict) else request.request_id
+    c, t = re.fullmatch(r"c(\d+)t(\d+)", str(rid)).groups()
+    return int(c), int(t)
+
+
+def _chain(ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``ids`` (hash i stands for blocks 0..i), as chapter 5 keys blocks."""
+    out, parent = [], None
+    for i in range(len(ids) // block_size):
+        parent = hash((parent, tuple(ids[i * block_size:(i + 1) * block_size])))
+        out.append(parent)
+    return out
+
+
+def hit_rate_bounds(requests: list, system_len: int, block_size: int = BLOCK_SIZE) -> dict:
+    """The hit rate if every full block of every earlier prompt were found (one cache that never forgets), and if
+    only the system prompt were (for every request but the first): what a policy can reach at best, and what the
+    prefix shared by all gives any policy. Blocks as chapter 5's cache counts them (never the last token)."""
+    seen, queried, every, system = set(), 0, 0, 0
+    for k, r in enumerate(requests):
+        ids = r.prompt_token_ids
+        chain = _chain(ids, block_size)
+        lookable = chain[:(len(ids) - 1) // block_size]
+        found = next((i for i, h in enumerate(lookable) if h not in seen), len(lookable))
+        seen.update(chain)  # its full blocks, cached once computed
+        queried += len(ids)
+        every += found * block_size
+        system += (k > 0) * min(system_len // block_size, len(lookable)) * block_size
+    return {"every_earlier_prompt_found": every / queried, "only_the_system_prompt_found": system / queried,
+            "best_over_system_only": every / system if system else None}
+
+
+async def chat(client: Client, requests: list, seed: int, one_at_a_time: bool = False) -> tuple[list[dict], float]:
+    """Send the workload turn by turn (each turn once the one before has been answered; with ``one_at_a_time``
+    each request once the one before has been: a run that repeats exactly); the client's records, each with its
+    ``request_id``, and the seconds from the first request to the last answer."""
+    turns: dict[int, list] = {}
+    for r in requests:
+        turns.setdefault(turn_of(r)[1], []).append(r)
+    rng, records, start = np.random.default_rng(seed), [], time.perf_counter()
+    for t in sorted(turns):
+        # Shuffled: in conversation order, round robin over two replicas would send conversation c to replica c % 2
+        # at every turn (12 requests a turn, an even number), keeping each conversation on one replica by accident.
+        reqs = [turns[t][i] for i in rng.permutation(len(turns[t]))]
+        offsets = sorted(r.arrival_s for r in reqs)  # the workload's spacing within a turn
+        t0, tasks = time.perf_counter(), []
+        for r, offset in zip(reqs, offsets):
+            await asyncio.sleep(max(0.0, t0 + offset - offsets[0] - time.perf_counter()))
+            tasks.append(asyncio.create_task(client.complete(r.prompt_token_ids, 1, r.max_new_tokens)))
+            if one_at_a_time:
+                await tasks[-1]
+        for r, rec in zip(reqs, await asyncio.gather(*tasks)):
+            records.append({**rec, "request_id": r.request_id})
+    return records, time.perf_counter() - start
+
+
+async def prefix_counters(server: Client) -> tuple[float, float]:
+    """(tokens looked up, tokens found) in a server's prefix cache so far, from its ``/metrics``."""
+    return (await server.metric("gpt2_prefix_cache_queries_total") or 0.0,
+            await server.metric("gpt2_prefix_cache_hits_total") or 0.0)
+
+
+async def measure_arm(base_url: str, server_urls: list[str], requests: list, vocab_size: int, seed: int,
+                      one_at_a_time: bool = False) -> dict:
+    """Warm the servers up (directly, on prompts the workload never sends), then run the chat through
+    ``base_url``; the arm's figures."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        model = (await http.get(base_url + "/models")).json()["data"][0]["id"]
+    client, servers = Client(base_url, model, 16), [Client(u, model, 4) for u in server_urls]
+    try:
+        rng = np.random.default_rng(10_000 + seed)
+        warm = [rng.integers(0, vocab_size, 32).tolist() for _ in range(2)]
+        await asyncio.gather(*(s.complete(prompt, 1) for s in servers for prompt in warm))
+        before = [await prefix_counters(s) for s in servers]
+        records, seconds = await chat(client, requests, seed, one_at_a_time)
+        after = [await prefix_counters(s) for s in servers]
+        health = (await client.http.get(base_url.removesuffix("/v1") + "/health")).json()
+    finally:
+        for c in (client, *servers):
+            await c.http.aclose()
+    queried = sum(a[0] - b[0] for a, b in zip(after, before))
+    hits = sum(a[1] - b[1] for a, b in zip(after, before))
+    replicas = health.get("replicas")  # a router's /health lists its replicas; a server's does not
+    return summarize_arm(records, seconds, queried, hits, replicas)
+
+
+def summarize_arm(records: list[dict], seconds: float, queried: float, hits: float, replicas: list | None) -> dict:
+    ok = [r for r in records if r["status"] == 200 and r.get("complete")]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    urls = [rep["url"] for rep in replicas or []]
+    placement: dict = {}  # conversation -> the replica (index) of each of its turns
+    for r in sorted(records, key=lambda r: turn_of(r)[::-1]):
+        placement.setdefault(f"c{turn_of(r)[0]}", []).append(urls.index(r["replica"]) if r.get("replica") in urls
+                                                             else None)
+    return {"hit_rate": hits / queried if queried else None, "prompt_tokens_looked_up": int(queried),
+            "prompt_tokens_found_cached": int(hits), "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99), "tokens_per_s": tokens / seconds, "output_tokens": tokens,
+            "seconds": seconds, "num_requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+            "requests_per_replica": [rep["routed"] for rep in replicas] if replicas else None,
+            "conversations_on_one_replica": (sum(len(set(p)) == 1 for p in placement.values()) / len(placement)
+                                             if replicas else None),
+            "replica_by_conversation": placement if replicas else None}
+
+
+def run_async(coroutine):
+    """``asyncio.run(coroutine)``, also where an event loop is running already (a notebook's): then in a thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def run_arm(arm: str, server_args: list[str], requests: list, vocab_size: int, seed: int,
+            one_at_a_time: bool = False) -> dict:
+    """One arm on fresh servers (and router), stopped at the end."""
+    from ..serving.launch import RouterProcess, start_servers
+
+    policy = arm if arm in POLICIES else None
+    with contextlib.ExitStack() as stack:
+        servers = start_servers(2 if policy else 1, *server_args, threads=1 if policy else 2)
+        for s in servers:
+            stack.callback(s.stop)
+        base_url = servers[0].base_url
+        if policy:
+            router = RouterProcess(*(a for s in servers for a in ("--replica", s.url)), "--policy", policy)
+            stack.callback(router.stop)
+            base_url = router.base_url
+        out = run_async(measure_arm(base_url, [s.base_url for s in servers], requests, vocab_size, seed,
+                                    one_at_a_time))
+    return {"method": arm, "batch": int(server_args[server_args.index("--max-num-seqs") + 1]),
+            "workload": "shared_prefix_chat", "processes": len(servers), "router": policy,
+            "blas_threads_per_process": 1 if policy else 2, **out}
+
+
+def write_random_checkpoint(model, directory: Path) -> Path:
+    """``model`` (random weights) as an HF-layout folder that ``serve --model`` loads; GPT-2's vocabulary brings
+    GPT-2's tokenizer with it."""
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2", **model.config.to_dict()}))
+    return directory
+
+
+def missing_extra() -> str | None:
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
+    return f"needs the serve extra (missing: {', '.join(missing)})" if missing else None
+
+
+def router_records(quick: bool, model=None) -> dict:
+    """The three arms, taking turns over rounds (order reversed every other round), each reported by its median
+    run by throughput; with ``quick``, the embedded model on a small chat, else ``model`` (random weights of GPT-2
+    124M's shape) written to a temporary folder for the servers to load."""
+    with tempfile.TemporaryDirectory(prefix="gpt2_router_") as tmp:
+        if quick or model is None:
+            server_args, vocab_size, served = [*SERVER_ARGS], 4096, "the embedded model"
+        else:
+            server_args = [*SERVER_ARGS, "--model", str(write_random_checkpoint(model, Path(tmp))),
+                           "--served-model-name", "gpt2-random"]
+            vocab_size, served = model.config.vocab_size, "random weights of GPT-2 124M's shape"
+        requests, params = chat_workload(quick or model is None, vocab_size)
+        rounds, runs = 1 if quick else 3, {arm: [] for arm in ARMS}
+        interleaved({arm: arm for arm in ARMS}, rounds,
+                    lambda arm, r: runs[arm].append(run_arm(arm, server_args, requests, vocab_size, seed=r)))
+    results = []
+    for arm in ARMS:
+        median = sorted(runs[arm], key=lambda x: x["tokens_per_s"])[len(runs[arm]) // 2]
+        results.append(dict(median, rounds=rounds, **{f"{k}_runs": [x[k] for x in runs[arm]]
+                                                      for k in ("hit_rate", "ttft_p50_s", "tokens_per_s")}))
+    return {"results": results, **router_summary(results, requests, params, server_args, served)}
+
+
+def router_summary(results: list[dict], requests: list, params: dict, server_args: list, served: str) -> dict:
+    by = {r["method"]: r for r in results}
+    rr, pa, single = by["round_robin"], by["prefix_affinity"], by[SINGLE]
+    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+    ratios = {"prefix_affinity_over_round_robin_hit_rate": ratio(pa["hit_rate"], rr["hit_rate"]),
+              "round_robin_over_prefix_affinity_ttft_p50": ratio(rr["ttft_p50_s"], pa["ttft_p50_s"]),
+              "prefix_affinity_over_round_robin_tokens_per_s": ratio(pa["tokens_per_s"], rr["tokens_per_s"]),
+              "prefix_affinity_over_single_2threads_server_tokens_per_s": ratio(pa["tokens_per_s"],
+                                                                                single["tokens_per_s"])}
+    target = ratios["prefix_affinity_over_round_robin_hit_rate"]
+    workload = {"name": f"shared_prefix_workload({', '.join(f'{k}={v}' for k, v in params.items())})",
+                "num_requests": len(requests), "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                "max_new_tokens": sum(r.max_new_tokens for r in requests), "prompts": "token ids",
+                "order": "turn by turn (a turn once the one before is answered), shuffled within a turn (seeded), "
+                         "the workload's spacing", "temperature": 0}
+    return {"ratios": ratios, "targets_met": {"prefix_affinity_over_round_robin_hit_rate >= 1.5":
+                                              target is not None and target >= 1.5},
+            "router": {"model": served, "server_args": server_args, "workload": workload,
+                       "hit_rate_bounds": hit_rate_bounds(requests, params["system_len"]),
+                       "note": "hit rates from the servers' /metrics; TTFT and tokens/s as the load client sees "
+                               "them, through the router for the two policies"}}
