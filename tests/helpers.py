@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -81,3 +82,13 @@ def run_counted_state_machine(machine, max_examples: int, steps: int, min_operat
                                                          derandomize=True, deadline=None, database=None))
     assert machine.operations >= min_operations, machine.operations
     return machine.operations
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

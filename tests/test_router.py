@@ -24,7 +24,7 @@ from gpt2_core.errors import InvalidInputError
 from gpt2_core.serving.launch import RouterProcess, ServerProcess, start_servers
 from gpt2_core.serving.router import (BALANCE_ABS, BALANCE_REL, PrefixAffinity, RoundRobin, block_hashes, make_policy,
                                       replica_url)
-from helpers import ROOT
+from helpers import ROOT, wait_until
 
 MODEL = "gpt2-numpy-embedded"
 SYSTEM = ("You are a helpful assistant who answers in the style of Jane Austen, briefly, politely, and always "
@@ -245,15 +245,6 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-def wait_until(predicate, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_a_killed_replica_fails_its_requests_and_leaves_the_rotation():

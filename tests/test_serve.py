@@ -15,7 +15,7 @@ import pytest
 
 from gpt2_core import kv_cache, load_model
 from gpt2_core.serving.launch import ServerProcess
-from helpers import ROOT
+from helpers import ROOT, wait_until
 
 MODEL = "gpt2-numpy-embedded"
 PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever, and rich",
@@ -57,15 +57,6 @@ def metrics(url: str) -> dict[str, float]:
             kept = [kv for kv in re.findall(r'\w+="[^"]*"', labels) if not kv.startswith("model_name=")]
             out[base + ("{" + ",".join(kept) + "}" if kept else "")] = float(value)
     return out
-
-
-def wait_until(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_health_models_and_metrics(server):
