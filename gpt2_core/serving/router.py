@@ -37,6 +37,7 @@ from starlette.routing import Route
 
 from ..errors import InvalidInputError
 from .metrics import RouterMetrics
+from .protocol import BadRequest
 
 log = logging.getLogger("gpt2_core.router")
 
@@ -188,7 +189,8 @@ class Replica:
 
 
 def error_body(message: str, kind: str = "server_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    """The OpenAI error object, as the replicas send theirs (``protocol.BadRequest``)."""
+    return BadRequest(message, kind=kind).body()
 
 
 async def _disconnected(request: Request) -> None:
