@@ -151,23 +151,37 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
         assert {r["method"] for r in decode} == {"single_1thread", "single_2threads", "tp2", "pp2"}
         assert all(r["same_tokens_as_single_1thread"] for r in decode)
         assert [r["micro_batches"] for r in data["bubble"]] == [1, 2, 4, 8]
-        # replicas behind a router: the chat workload over HTTP, every request answered, hit rates measured
-        served = {r["method"]: r for r in data["results"] if r.get("workload") == "shared_prefix_chat"}
-        assert set(served) == {"round_robin", "prefix_affinity", "single_2threads_server"}
-        for r in served.values():
-            assert r["completed"] == r["num_requests"] == data["router"]["workload"]["num_requests"]
-            assert 0 < r["hit_rate"] < 1 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
-        for policy in ("round_robin", "prefix_affinity"):  # every request routed, every turn placed
-            r = served[policy]
-            assert sum(r["requests_per_replica"]) == r["num_requests"] and r["router"] == policy
-            assert sum(map(len, r["replica_by_conversation"].values())) == r["num_requests"]
-        ratio = served["prefix_affinity"]["hit_rate"] / served["round_robin"]["hit_rate"]
-        assert data["ratios"]["prefix_affinity_over_round_robin_hit_rate"] == pytest.approx(ratio)
-        assert data["targets_met"] == {"tp2_vs_single_1thread_batch32 >= 1.5":
-                                       data["ratios"]["tp2_vs_single_1thread_batch32"] >= 1.5,
-                                       "prefix_affinity_over_round_robin_hit_rate >= 1.5": ratio >= 1.5}
-        bounds = data["router"]["hit_rate_bounds"]
-        assert bounds["only_the_system_prompt_found"] < bounds["every_earlier_prompt_found"] < 1
+        # replicas behind a router: two chat scenarios over HTTP, every request answered, hit rates measured
+        scenarios = data["router"]["scenarios"]
+        assert set(scenarios) == {"chapter5_chat", "long_chat_tight_kv"}
+        target = data["router"]["target_scenario"]
+        for name, about in scenarios.items():
+            served = {r["method"]: r for r in data["results"] if r.get("scenario") == name}
+            assert set(served) == {"round_robin", "prefix_affinity", "single_2threads_server"}
+            for r in served.values():
+                assert r["completed"] == r["num_requests"] == about["workload"]["num_requests"]
+                assert r["workload"] == "shared_prefix_chat" and 0 < r["hit_rate"] < 1
+                assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+                assert r["hit_rate"] <= about["hit_rate_bounds"]["every_earlier_prompt_found"] + 1e-9
+                assert 0 < about["predicted_hit_rate"][r["method"]] < 1
+            # the single server has the memory of both replicas
+            assert served["single_2threads_server"]["kv_blocks_per_process"] == 2 * about["kv_blocks_per_replica"]
+            for policy in ("round_robin", "prefix_affinity"):  # every request routed, every turn placed
+                r = served[policy]
+                assert sum(r["requests_per_replica"]) == r["num_requests"] and r["router"] == policy
+                assert sum(map(len, r["replica_by_conversation"].values())) == r["num_requests"]
+                assert r["kv_blocks_per_process"] == about["kv_blocks_per_replica"]
+            ratio = served["prefix_affinity"]["hit_rate"] / served["round_robin"]["hit_rate"]
+            key = f"prefix_affinity_over_round_robin_hit_rate_{name}"
+            assert data["ratios"][key] == pytest.approx(ratio)
+            if name == target:
+                assert data["targets_met"] == {"tp2_vs_single_1thread_batch32 >= 1.5":
+                                               data["ratios"]["tp2_vs_single_1thread_batch32"] >= 1.5,
+                                               f"{key} >= 1.5": ratio >= 1.5}
+            bounds = about["hit_rate_bounds"]
+            assert bounds["only_the_system_prompt_found"] < bounds["every_earlier_prompt_found"] < 1
+        # the tight scenario gives each replica less KV memory than chapter 5's default
+        assert scenarios[target]["kv_blocks_per_replica"] < scenarios["chapter5_chat"]["kv_blocks_per_replica"]
     elif args[1] == "capstone":  # every chapter's engine: fp32 rows accelerated, int8 rows on chapter 6's kernels
         assert data["kernels"].startswith("cpu_kernels.accelerate (fp32 rows)") and data["duration_s"] > 0
         assert {"naive", "kv_cache", "continuous", "compute_bound"} <= {r["method"] for r in data["results"]}

@@ -9,7 +9,9 @@ every round (``interleaved``), so the machine's drift falls on all of them; each
 The third way to use two cores, **replicas behind a router** (``bench.router``): chapter 5's shared-prefix chat
 workload over HTTP on two ``serve`` replicas of 1 thread each behind ``route`` (``round_robin``,
 ``prefix_affinity``) and on one server of 2 threads (``single_2threads_server``): prefix-cache hit rate, TTFT and
-throughput per arm, and whether cache-aware routing reaches 1.5x round robin's hit rate.
+throughput per arm, in two scenarios (chapter 5's defaults with room in every cache; a history-heavy chat with KV
+memory for 2,048 tokens per replica), and whether cache-aware routing reaches 1.5x round robin's hit rate in the
+second.
 """
 
 from __future__ import annotations

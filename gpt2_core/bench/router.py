@@ -5,13 +5,22 @@ that resend their history every turn) served over HTTP, loaded by ``bench serve`
 
 * ``round_robin`` and ``prefix_affinity``: two ``serve`` replicas of 1 BLAS thread each behind ``route`` with
   that policy;
-* ``single_2threads_server``: one ``serve`` with 2 BLAS threads, no router.
+* ``single_2threads_server``: one ``serve`` with 2 BLAS threads and the KV memory of both replicas, no router.
+
+Two scenarios (``SCENARIOS``). ``chapter5_chat``: chapter 5's workload at its defaults, a long system prompt and
+four turns, every replica with room to keep every prompt cached. There round robin already finds most of what
+can be found: the system prompt is cached on both replicas, and with two replicas a conversation's earlier turn
+was sent to the same one half the time. ``long_chat_tight_kv``: a short system prompt, eight turns (the history is
+most of each prompt), and KV memory for 2,048 tokens per replica, about a third of what the conversations hold at
+the end. Round robin then makes each replica cache every conversation and evict what it needs next; affinity
+splits the conversations between the replicas, and each half nearly fits. That is where cache-aware routing pays,
+and ``simulate_hit_rate`` predicts it without a model.
 
 A conversation's next turn is sent once every reply of the turn before has come back (a user answers what they
-read); within a turn the requests come with the workload's spacing (50 ms) in a seeded, shuffled order. Every arm
-starts on fresh servers (empty caches) running the chapters' plain NumPy code (``--plain``). Per arm: the prefix
-cache hit rate of its servers (their ``/metrics`` counters over the run: hit tokens / looked-up tokens), TTFT p50
-and p99 as the client sees it, output tokens/s over the run, and where the requests went.
+read); within a turn the requests come with the workload's spacing in a seeded, shuffled order. Every arm starts on
+fresh servers (empty caches) running the chapters' plain NumPy code (``--plain``). Per arm: the prefix cache hit
+rate of its servers (their ``/metrics`` counters over the run: hit tokens / looked-up tokens), TTFT p50 and p99 as
+the client sees it, output tokens/s over the run, and where the requests went.
 """
 
 from __future__ import annotations
@@ -24,10 +33,13 @@ import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..block_manager import blocks_needed
+from ..prefix_cache import PrefixCachingBlockManager
 from .common import interleaved
 from .prefix import BLOCK_SIZE, shared_prefix_workload
 from .serve import Client, percentile
@@ -35,16 +47,48 @@ from .serve import Client, percentile
 POLICIES = ("round_robin", "prefix_affinity")
 SINGLE = "single_2threads_server"
 ARMS = (*POLICIES, SINGLE)
-CHAT = {"num_conversations": 12, "turns": 4, "system_len": 384}  # chapter 5's workload, its defaults as they are
+SERVER_ARGS = ("--plain", "--max-num-seqs", "16")  # the chapters' code; 16 sequences in a batch at most
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A chat workload (``shared_prefix_workload``'s arguments) and the KV blocks each replica gets (None: the
+    server's default, room for ``--max-num-seqs`` full contexts; the single server gets twice a replica's)."""
+
+    workload: dict
+    num_blocks: int | None
+    about: str
+
+
+SCENARIOS = {
+    "chapter5_chat": Scenario({"num_conversations": 12, "turns": 4, "system_len": 384}, None,
+                              "chapter 5's chat workload at its defaults; room for every prompt in every cache"),
+    "long_chat_tight_kv": Scenario({"num_conversations": 12, "turns": 8, "system_len": 32}, 128,
+                                   "history-heavy chat (short system prompt, 8 turns); KV memory for 2,048 tokens "
+                                   "per replica"),
+}
+TARGET_SCENARIO = "long_chat_tight_kv"  # where the 1.5x hit-rate target is measured
 # Quick: the embedded model's context is 256 positions; the last turn's prompt and reply must fit in it.
-CHAT_QUICK = {"num_conversations": 6, "turns": 3, "system_len": 64, "user_len": (16, 0.5, 8, 32),
-              "output_len": (8, 0.3, 4, 16)}
-SERVER_ARGS = ("--plain", "--max-num-seqs", "16")  # the chapters' code; room for every prompt of the run cached
+_SHORT = {"user_len": (16, 0.5, 8, 32), "output_len": (8, 0.3, 4, 16)}
+SCENARIOS_QUICK = {
+    "chapter5_chat": Scenario({"num_conversations": 6, "turns": 3, "system_len": 64, **_SHORT}, None,
+                              SCENARIOS["chapter5_chat"].about.replace("its defaults", "a small scale")),
+    "long_chat_tight_kv": Scenario({"num_conversations": 6, "turns": 4, "system_len": 16, **_SHORT}, 20,
+                                   "history-heavy chat (short system prompt, 4 turns); KV memory for 320 tokens "
+                                   "per replica"),
+}
+CHAT_QUICK = SCENARIOS_QUICK["chapter5_chat"].workload
 
 
-def chat_workload(quick: bool, vocab_size: int) -> tuple[list, dict]:
-    params = CHAT_QUICK if quick else CHAT
-    return shared_prefix_workload(vocab_size=vocab_size, **params), params
+def chat_workload(scenario: Scenario, vocab_size: int) -> list:
+    return shared_prefix_workload(vocab_size=vocab_size, **scenario.workload)
+
+
+def kv_blocks(scenario: Scenario, arm: str, n_positions: int, max_num_seqs: int) -> int:
+    """The KV blocks of one server of ``arm``: the scenario's per replica, twice that for the single server (the
+    same memory in total); by default the server's own (``max_num_seqs`` full contexts), which is never short."""
+    per_replica = scenario.num_blocks or max_num_seqs * blocks_needed(n_positions, BLOCK_SIZE)
+    return per_replica * (2 if arm == SINGLE else 1)
 
 
 def turn_of(request) -> tuple[int, int]:
@@ -82,18 +126,23 @@ def hit_rate_bounds(requests: list, system_len: int, block_size: int = BLOCK_SIZ
             "best_over_system_only": every / system if system else None}
 
 
+def send_order(requests: list, seed: int) -> list[list]:
+    """The workload's turns in order, each shuffled (seeded): as ``chat`` sends them. Shuffled because, in
+    conversation order, round robin over two replicas would send conversation c to replica c % 2 at every turn
+    (12 requests a turn, an even number), keeping each conversation on one replica by accident."""
+    turns: dict[int, list] = {}
+    for r in requests:
+        turns.setdefault(turn_of(r)[1], []).append(r)
+    rng = np.random.default_rng(seed)
+    return [[turns[t][i] for i in rng.permutation(len(turns[t]))] for t in sorted(turns)]
+
+
 async def chat(client: Client, requests: list, seed: int, one_at_a_time: bool = False) -> tuple[list[dict], float]:
     """Send the workload turn by turn (each turn once the one before has been answered; with ``one_at_a_time``
     each request once the one before has been: a run that repeats exactly); the client's records, each with its
     ``request_id``, and the seconds from the first request to the last answer."""
-    turns: dict[int, list] = {}
-    for r in requests:
-        turns.setdefault(turn_of(r)[1], []).append(r)
-    rng, records, start = np.random.default_rng(seed), [], time.perf_counter()
-    for t in sorted(turns):
-        # Shuffled: in conversation order, round robin over two replicas would send conversation c to replica c % 2
-        # at every turn (12 requests a turn, an even number), keeping each conversation on one replica by accident.
-        reqs = [turns[t][i] for i in rng.permutation(len(turns[t]))]
+    records, start = [], time.perf_counter()
+    for reqs in send_order(requests, seed):
         offsets = sorted(r.arrival_s for r in reqs)  # the workload's spacing within a turn
         t0, tasks = time.perf_counter(), []
         for r, offset in zip(reqs, offsets):
@@ -104,6 +153,28 @@ async def chat(client: Client, requests: list, seed: int, one_at_a_time: bool = 
         for r, rec in zip(reqs, await asyncio.gather(*tasks)):
             records.append({**rec, "request_id": r.request_id})
     return records, time.perf_counter() - start
+
+
+def simulate_hit_rate(requests: list, arm: str, num_blocks: int, seed: int = 0) -> float:
+    """An arm's hit rate predicted without a model: one chapter-5 block manager per server (bookkeeping only, no
+    K/V) with ``num_blocks`` blocks each (the single server: one manager, pass it twice the blocks), the router's
+    own policy, the requests served one at a time in ``chat``'s order. Each reply's blocks are allocated and
+    registered as a server does (random tokens: they take room and are never found again)."""
+    from ..serving.router import block_hashes, make_policy
+
+    replicas = 1 if arm == SINGLE else 2
+    policy = make_policy("round_robin" if arm == SINGLE else arm, replicas)
+    managers = [PrefixCachingBlockManager(num_blocks, BLOCK_SIZE) for _ in range(replicas)]
+    replies = np.random.default_rng(seed + 1)
+    for r in (r for turn in send_order(requests, seed) for r in turn):
+        prompt = list(r.prompt_token_ids)
+        m = managers[policy.choose(block_hashes(prompt), dict.fromkeys(range(replicas), 0))]
+        tokens = prompt + replies.integers(1 << 30, 1 << 31, r.max_new_tokens).tolist()
+        m.allocate_prefix(r.request_id, prompt, len(prompt))  # looks the prompt up (counted), then computes it
+        m.ensure(r.request_id, len(tokens))
+        m.cache_blocks(r.request_id, tokens, len(tokens))
+        m.free(r.request_id)
+    return sum(m.num_hit_tokens for m in managers) / sum(m.num_queried_tokens for m in managers)
 
 
 async def prefix_counters(server: Client) -> tuple[float, float]:
@@ -168,13 +239,15 @@ def run_async(coroutine):
 
 
 def run_arm(arm: str, server_args: list[str], requests: list, vocab_size: int, seed: int,
-            one_at_a_time: bool = False) -> dict:
-    """One arm on fresh servers (and router), stopped at the end."""
+            one_at_a_time: bool = False, num_blocks: int | None = None) -> dict:
+    """One arm on fresh servers (and router), stopped at the end; ``num_blocks``: each server's KV blocks
+    (None: the server's default)."""
     from ..serving.launch import RouterProcess, start_servers
 
     policy = arm if arm in POLICIES else None
+    args = [*server_args, *(("--num-blocks", str(num_blocks)) if num_blocks else ())]
     with contextlib.ExitStack() as stack:
-        servers = start_servers(2 if policy else 1, *server_args, threads=1 if policy else 2)
+        servers = start_servers(2 if policy else 1, *args, threads=1 if policy else 2)
         for s in servers:
             stack.callback(s.stop)
         base_url = servers[0].base_url
@@ -186,7 +259,7 @@ def run_arm(arm: str, server_args: list[str], requests: list, vocab_size: int, s
                                     one_at_a_time))
     return {"method": arm, "batch": int(server_args[server_args.index("--max-num-seqs") + 1]),
             "workload": "shared_prefix_chat", "processes": len(servers), "router": policy,
-            "blas_threads_per_process": 1 if policy else 2, **out}
+            "blas_threads_per_process": 1 if policy else 2, "kv_blocks_per_process": num_blocks, **out}
 
 
 def write_random_checkpoint(model, directory: Path) -> Path:
@@ -205,46 +278,70 @@ def missing_extra() -> str | None:
 
 
 def router_records(quick: bool, model=None) -> dict:
-    """The three arms, taking turns over rounds (order reversed every other round), each reported by its median
-    run by throughput; with ``quick``, the embedded model on a small chat, else ``model`` (random weights of GPT-2
-    124M's shape) written to a temporary folder for the servers to load."""
+    """Each scenario's three arms, taking turns over rounds (order reversed every other round), each reported by
+    its median run by throughput; with ``quick``, the embedded model on small chats, else ``model`` (random weights
+    of GPT-2 124M's shape) written to a temporary folder for the servers to load."""
+    from ..config import GPT2Config
+    from ..weights import EMBEDDED_MODEL_DIR
+
     with tempfile.TemporaryDirectory(prefix="gpt2_router_") as tmp:
         if quick or model is None:
-            server_args, vocab_size, served = [*SERVER_ARGS], 4096, "the embedded model"
+            scenarios, server_args, served = SCENARIOS_QUICK, [*SERVER_ARGS], "the embedded model"
+            config = GPT2Config.from_json(EMBEDDED_MODEL_DIR / "config.json")  # its vocabulary and context
         else:
+            scenarios, config = SCENARIOS, model.config
             server_args = [*SERVER_ARGS, "--model", str(write_random_checkpoint(model, Path(tmp))),
                            "--served-model-name", "gpt2-random"]
-            vocab_size, served = model.config.vocab_size, "random weights of GPT-2 124M's shape"
-        requests, params = chat_workload(quick or model is None, vocab_size)
-        rounds, runs = 1 if quick else 3, {arm: [] for arm in ARMS}
-        interleaved({arm: arm for arm in ARMS}, rounds,
-                    lambda arm, r: runs[arm].append(run_arm(arm, server_args, requests, vocab_size, seed=r)))
-    results = []
-    for arm in ARMS:
-        median = sorted(runs[arm], key=lambda x: x["tokens_per_s"])[len(runs[arm]) // 2]
-        results.append(dict(median, rounds=rounds, **{f"{k}_runs": [x[k] for x in runs[arm]]
-                                                      for k in ("hit_rate", "ttft_p50_s", "tokens_per_s")}))
-    return {"results": results, **router_summary(results, requests, params, server_args, served)}
+            served = "random weights of GPT-2 124M's shape"
+        rounds, results, about = 1 if quick else 3, [], {}
+        max_num_seqs = int(SERVER_ARGS[SERVER_ARGS.index("--max-num-seqs") + 1])
+        for name, scenario in scenarios.items():
+            requests = chat_workload(scenario, config.vocab_size)
+            blocks = {arm: kv_blocks(scenario, arm, config.n_positions, max_num_seqs) for arm in ARMS}
+            runs = {arm: [] for arm in ARMS}
+            interleaved({arm: arm for arm in ARMS}, rounds, lambda arm, r: runs[arm].append(run_arm(
+                arm, server_args, requests, config.vocab_size, seed=r,
+                num_blocks=blocks[arm] if scenario.num_blocks else None)))
+            for arm in ARMS:
+                median = sorted(runs[arm], key=lambda x: x["tokens_per_s"])[len(runs[arm]) // 2]
+                results.append(dict(median, scenario=name, kv_blocks_per_process=blocks[arm], rounds=rounds,
+                                    **{f"{k}_runs": [x[k] for x in runs[arm]]
+                                       for k in ("hit_rate", "ttft_p50_s", "tokens_per_s")}))
+            about[name] = scenario_summary(scenario, requests, blocks, rounds)
+    return {"results": results, **router_summary(results, about, server_args, served)}
 
 
-def router_summary(results: list[dict], requests: list, params: dict, server_args: list, served: str) -> dict:
-    by = {r["method"]: r for r in results}
-    rr, pa, single = by["round_robin"], by["prefix_affinity"], by[SINGLE]
+def scenario_summary(scenario: Scenario, requests: list, blocks: dict, rounds: int) -> dict:
+    params = ", ".join(f"{k}={v}" for k, v in scenario.workload.items())
+    return {"about": scenario.about,
+            "workload": {"name": f"shared_prefix_workload({params})", "num_requests": len(requests),
+                         "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
+                         "max_new_tokens": sum(r.max_new_tokens for r in requests), "prompts": "token ids",
+                         "order": "turn by turn (a turn once the one before is answered), shuffled within a turn "
+                                  "(seeded), the workload's spacing", "temperature": 0},
+            "kv_blocks_per_replica": blocks["round_robin"], "kv_blocks_single_server": blocks[SINGLE],
+            "hit_rate_bounds": hit_rate_bounds(requests, scenario.workload["system_len"]),
+            # the rounds' seeds, each arm's hit rate predicted by bookkeeping alone, as measured (median)
+            "predicted_hit_rate": {arm: float(np.median([simulate_hit_rate(requests, arm, blocks[arm], seed=r)
+                                                         for r in range(rounds)])) for arm in ARMS}}
+
+
+def router_summary(results: list[dict], about: dict, server_args: list, served: str) -> dict:
     ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
-    ratios = {"prefix_affinity_over_round_robin_hit_rate": ratio(pa["hit_rate"], rr["hit_rate"]),
-              "round_robin_over_prefix_affinity_ttft_p50": ratio(rr["ttft_p50_s"], pa["ttft_p50_s"]),
-              "prefix_affinity_over_round_robin_tokens_per_s": ratio(pa["tokens_per_s"], rr["tokens_per_s"]),
-              "prefix_affinity_over_single_2threads_server_tokens_per_s": ratio(pa["tokens_per_s"],
-                                                                                single["tokens_per_s"])}
-    target = ratios["prefix_affinity_over_round_robin_hit_rate"]
-    workload = {"name": f"shared_prefix_workload({', '.join(f'{k}={v}' for k, v in params.items())})",
-                "num_requests": len(requests), "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
-                "max_new_tokens": sum(r.max_new_tokens for r in requests), "prompts": "token ids",
-                "order": "turn by turn (a turn once the one before is answered), shuffled within a turn (seeded), "
-                         "the workload's spacing", "temperature": 0}
-    return {"ratios": ratios, "targets_met": {"prefix_affinity_over_round_robin_hit_rate >= 1.5":
-                                              target is not None and target >= 1.5},
-            "router": {"model": served, "server_args": server_args, "workload": workload,
-                       "hit_rate_bounds": hit_rate_bounds(requests, params["system_len"]),
+    ratios = {}
+    for name in about:
+        by = {r["method"]: r for r in results if r["scenario"] == name}
+        rr, pa, single = by["round_robin"], by["prefix_affinity"], by[SINGLE]
+        ratios.update({
+            f"prefix_affinity_over_round_robin_hit_rate_{name}": ratio(pa["hit_rate"], rr["hit_rate"]),
+            f"round_robin_over_prefix_affinity_ttft_p50_{name}": ratio(rr["ttft_p50_s"], pa["ttft_p50_s"]),
+            f"prefix_affinity_over_round_robin_tokens_per_s_{name}": ratio(pa["tokens_per_s"], rr["tokens_per_s"]),
+            f"prefix_affinity_over_single_2threads_server_tokens_per_s_{name}": ratio(pa["tokens_per_s"],
+                                                                                      single["tokens_per_s"])})
+    key = f"prefix_affinity_over_round_robin_hit_rate_{TARGET_SCENARIO}"
+    return {"ratios": ratios, "targets_met": {f"{key} >= 1.5": ratios[key] is not None and ratios[key] >= 1.5},
+            "router": {"model": served, "server_args": server_args, "scenarios": about,
+                       "target_scenario": TARGET_SCENARIO,
                        "note": "hit rates from the servers' /metrics; TTFT and tokens/s as the load client sees "
-                               "them, through the router for the two policies"}}
+                               "them, through the router for the two policies; predicted_hit_rate from "
+                               "simulate_hit_rate (block bookkeeping, requests one at a time)"}}
