@@ -8,6 +8,7 @@ import os
 import secrets
 import sys
 
+from . import routing
 from .errors import GPT2Error
 
 
@@ -140,15 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--replicas", type=int, default=0, metavar="N",
                     help="start N `serve` replicas here (free loopback ports, 1 BLAS thread each), stopped with the "
                          "router; arguments after -- go to each (e.g. -- --model gpt2 --plain)")
-    rt.add_argument("--policy", choices=["prefix_affinity", "round_robin"], default="prefix_affinity",
+    rt.add_argument("--policy", choices=routing.POLICIES, default="prefix_affinity",
                     help="prefix_affinity: the replica most likely to hold the prompt's prefix (default); "
                          "round_robin: the replicas in turn")
     rt.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     rt.add_argument("--port", type=int, default=8000, help="port (0: any free port; the line printed says which)")
-    rt.add_argument("--balance-abs", type=int, default=4,
+    rt.add_argument("--balance-abs", type=int, default=routing.BALANCE_ABS,
                     help="prefix_affinity: a replica with more than this many requests in flight above the least "
                          "loaded one...")
-    rt.add_argument("--balance-rel", type=float, default=1.5,
+    rt.add_argument("--balance-rel", type=float, default=routing.BALANCE_REL,
                     help="...and more than this many times as many is overloaded: the least loaded gets the request")
     rt.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     rt.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

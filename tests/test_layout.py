@@ -12,7 +12,7 @@ PACKAGE = ROOT / "gpt2_core"
 CHAPTER_MODULES = ["model", "sampling", "generation", "kv_cache", "sequence", "scheduler", "kv_store", "model_runner",
                    "engine", "static_batching", "block_manager", "paged_kv_store", "paged_attention", "prefix_cache",
                    "chunked_prefill", "caching_engine", "quantization", "quant_kv_store", "quant_kernels",
-                   "process_group", "tensor_parallel", "pipeline_parallel", "priority_scheduler"]
+                   "process_group", "tensor_parallel", "pipeline_parallel", "routing", "priority_scheduler"]
 # Modules that are not a chapter's lesson: loading, errors, the CLI, the classroom tooling, machine facts.
 PLUMBING = ["__init__", "__main__", "config", "errors", "hub", "safetensors_io", "torch_bin", "tokenizer", "weights",
             "memory", "classroom"]

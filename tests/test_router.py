@@ -21,9 +21,9 @@ import pytest
 
 from gpt2_core import kv_cache, load_model
 from gpt2_core.errors import InvalidInputError
+from gpt2_core.routing import BALANCE_ABS, BALANCE_REL, PrefixAffinity, RoundRobin, block_hashes, make_policy
 from gpt2_core.serving.launch import RouterProcess, ServerProcess, start_servers
-from gpt2_core.serving.router import (BALANCE_ABS, BALANCE_REL, PrefixAffinity, RoundRobin, block_hashes, make_policy,
-                                      replica_url)
+from gpt2_core.serving.router import replica_url
 from helpers import ROOT, wait_until
 
 MODEL = "gpt2-numpy-embedded"
@@ -101,6 +101,28 @@ def test_memory_is_bounded_and_forgets_extensions_before_prefixes():
     assert len(policy.successors) <= 10
 
 
+def test_the_hit_rate_simulation_reaches_its_bound_and_shows_where_affinity_pays():
+    """``simulate_hit_rate`` (chapter 5's block manager per server, the router's own policies, bookkeeping only):
+    one cache that never runs out finds every earlier prompt, exactly the bound; with room everywhere, two replicas
+    under round robin already find most history; with tight KV memory round robin thrashes and affinity does not."""
+    from gpt2_core.bench import router as bench
+
+    for name, scenario in bench.SCENARIOS.items():
+        requests = bench.chat_workload(scenario, 50257)
+        bounds = bench.hit_rate_bounds(requests, scenario.workload["system_len"])
+        roomy = {arm: bench.simulate_hit_rate(requests, arm, 4096) for arm in bench.ARMS}
+        assert roomy[bench.SINGLE] == pytest.approx(bounds["every_earlier_prompt_found"])
+        assert bounds["only_the_system_prompt_found"] < roomy["round_robin"] < roomy["prefix_affinity"] \
+            <= roomy[bench.SINGLE]
+        assert roomy["prefix_affinity"] / roomy["round_robin"] < 1.3  # every replica may keep everything
+        if scenario.num_blocks:
+            tight = {arm: bench.simulate_hit_rate(requests, arm, bench.kv_blocks(scenario, arm, 1024, 16))
+                     for arm in bench.ARMS}
+            assert tight["prefix_affinity"] / tight["round_robin"] >= 1.5
+            assert all(tight[arm] < roomy[arm] for arm in bench.ARMS)  # evictions cost every arm something
+    assert bench.kv_blocks(bench.SCENARIOS["chapter5_chat"], bench.SINGLE, 1024, 16) == 2 * 16 * 64
+
+
 def test_policy_names_urls_and_cli_defaults():
     assert replica_url("http://127.0.0.1:8001/v1/") == replica_url(" http://127.0.0.1:8001 ") == "http://127.0.0.1:8001"
     for bad in ("127.0.0.1:8001", "http://", "ftp://host:1", "http://host:1/other"):
@@ -110,7 +132,7 @@ def test_policy_names_urls_and_cli_defaults():
         make_policy("random", 2)
     from gpt2_core.__main__ import build_parser
 
-    args = build_parser().parse_args(["route", "--replica", "http://h:1"])  # the CLI's defaults: the module's
+    args = build_parser().parse_args(["route", "--replica", "http://h:1"])  # the CLI's defaults: routing's
     assert (args.policy, args.balance_abs, args.balance_rel) == ("prefix_affinity", BALANCE_ABS, BALANCE_REL)
     args = build_parser().parse_args(["route", "--replicas", "2", "--port", "0", "--", "--model", "m", "--plain"])
     assert args.replicas == 2 and args.port == 0 and args.serve_args[-3:] == ["--model", "m", "--plain"]

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..block_manager import blocks_needed
 from ..prefix_cache import PrefixCachingBlockManager
+from ..routing import block_hashes, make_policy
 from .common import interleaved
 from .prefix import BLOCK_SIZE, shared_prefix_workload
 from .serve import Client, percentile
@@ -160,8 +161,6 @@ def simulate_hit_rate(requests: list, arm: str, num_blocks: int, seed: int = 0) 
     K/V) with ``num_blocks`` blocks each (the single server: one manager, pass it twice the blocks), the router's
     own policy, the requests served one at a time in ``chat``'s order. Each reply's blocks are allocated and
     registered as a server does (random tokens: they take room and are never found again)."""
-    from ..serving.router import block_hashes, make_policy
-
     replicas = 1 if arm == SINGLE else 2
     policy = make_policy("round_robin" if arm == SINGLE else arm, replicas)
     managers = [PrefixCachingBlockManager(num_blocks, BLOCK_SIZE) for _ in range(replicas)]
