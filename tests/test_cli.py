@@ -162,7 +162,8 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
                 assert r["completed"] == r["num_requests"] == about["workload"]["num_requests"]
                 assert r["workload"] == "shared_prefix_chat" and 0 < r["hit_rate"] < 1
                 assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
-                assert r["hit_rate"] <= about["hit_rate_bounds"]["every_earlier_prompt_found"] + 1e-9
+                if r["num_preemptions"] == 0:  # a preempted request is looked up again: its own blocks are hits
+                    assert r["hit_rate"] <= about["hit_rate_bounds"]["every_earlier_prompt_found"] + 1e-9
                 assert 0 < about["predicted_hit_rate"][r["method"]] < 1
             # the single server has the memory of both replicas
             assert served["single_2threads_server"]["kv_blocks_per_process"] == 2 * about["kv_blocks_per_replica"]
@@ -171,7 +172,7 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
                 assert sum(r["requests_per_replica"]) == r["num_requests"] and r["router"] == policy
                 assert sum(map(len, r["replica_by_conversation"].values())) == r["num_requests"]
                 assert r["kv_blocks_per_process"] == about["kv_blocks_per_replica"]
-            ratio = served["prefix_affinity"]["hit_rate"] / served["round_robin"]["hit_rate"]
+            ratio = served["prefix_affinity"]["hit_rate"] / served["round_robin"]["hit_rate"]  # one round: its ratio
             key = f"prefix_affinity_over_round_robin_hit_rate_{name}"
             assert data["ratios"][key] == pytest.approx(ratio)
             if name == target:

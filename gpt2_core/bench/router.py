@@ -13,7 +13,7 @@ can be found: the system prompt is cached on both replicas, and with two replica
 was sent to the same one half the time. ``long_chat_tight_kv``: a short system prompt, eight turns (the history is
 most of each prompt), and KV memory for 2,048 tokens per replica, about a third of what the conversations hold at
 the end. Round robin then makes each replica cache every conversation and evict what it needs next; affinity
-splits the conversations between the replicas, and each half nearly fits. That is where cache-aware routing pays,
+splits the conversations between the replicas, and each half comes much closer to fitting. That is where cache-aware routing pays,
 and ``simulate_hit_rate`` predicts it without a model.
 
 A conversation's next turn is sent once every reply of the turn before has come back (a user answers what they
@@ -78,16 +78,14 @@ SCENARIOS_QUICK = {
                                    "history-heavy chat (short system prompt, 4 turns); KV memory for 320 tokens "
                                    "per replica"),
 }
-CHAT_QUICK = SCENARIOS_QUICK["chapter5_chat"].workload
-
 
 def chat_workload(scenario: Scenario, vocab_size: int) -> list:
     return shared_prefix_workload(vocab_size=vocab_size, **scenario.workload)
 
 
 def kv_blocks(scenario: Scenario, arm: str, n_positions: int, max_num_seqs: int) -> int:
-    """The KV blocks of one server of ``arm``: the scenario's per replica, twice that for the single server (the
-    same memory in total); by default the server's own (``max_num_seqs`` full contexts), which is never short."""
+    """The KV blocks of one server of ``arm``: the scenario's per replica (by default the server's own default,
+    ``max_num_seqs`` full contexts, never short), twice that for the single server (the same memory in total)."""
     per_replica = scenario.num_blocks or max_num_seqs * blocks_needed(n_positions, BLOCK_SIZE)
     return per_replica * (2 if arm == SINGLE else 1)
 
@@ -170,16 +168,18 @@ def simulate_hit_rate(requests: list, arm: str, num_blocks: int, seed: int = 0) 
         m = managers[policy.choose(block_hashes(prompt), dict.fromkeys(range(replicas), 0))]
         tokens = prompt + replies.integers(1 << 30, 1 << 31, r.max_new_tokens).tolist()
         m.allocate_prefix(r.request_id, prompt, len(prompt))  # looks the prompt up (counted), then computes it
-        m.ensure(r.request_id, len(tokens))
-        m.cache_blocks(r.request_id, tokens, len(tokens))
+        m.ensure(r.request_id, len(tokens) - 1)  # the last token sampled is never fed back: never computed
+        m.cache_blocks(r.request_id, tokens, len(tokens) - 1)
         m.free(r.request_id)
     return sum(m.num_hit_tokens for m in managers) / sum(m.num_queried_tokens for m in managers)
 
 
-async def prefix_counters(server: Client) -> tuple[float, float]:
-    """(tokens looked up, tokens found) in a server's prefix cache so far, from its ``/metrics``."""
+async def prefix_counters(server: Client) -> tuple[float, float, float]:
+    """(tokens looked up, tokens found) in a server's prefix cache so far, and its preemptions, from its
+    ``/metrics``."""
     return (await server.metric("gpt2_prefix_cache_queries_total") or 0.0,
-            await server.metric("gpt2_prefix_cache_hits_total") or 0.0)
+            await server.metric("gpt2_prefix_cache_hits_total") or 0.0,
+            await server.metric("gpt2_num_preemptions_total") or 0.0)
 
 
 async def measure_arm(base_url: str, server_urls: list[str], requests: list, vocab_size: int, seed: int,
@@ -204,11 +204,13 @@ async def measure_arm(base_url: str, server_urls: list[str], requests: list, voc
             await c.http.aclose()
     queried = sum(a[0] - b[0] for a, b in zip(after, before))
     hits = sum(a[1] - b[1] for a, b in zip(after, before))
+    preemptions = sum(a[2] - b[2] for a, b in zip(after, before))
     replicas = health.get("replicas")  # a router's /health lists its replicas; a server's does not
-    return summarize_arm(records, seconds, queried, hits, replicas)
+    return summarize_arm(records, seconds, queried, hits, replicas, preemptions)
 
 
-def summarize_arm(records: list[dict], seconds: float, queried: float, hits: float, replicas: list | None) -> dict:
+def summarize_arm(records: list[dict], seconds: float, queried: float, hits: float, replicas: list | None,
+                  preemptions: float = 0.0) -> dict:
     ok = [r for r in records if r["status"] == 200 and r.get("complete")]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
     tokens = sum(r["tokens"] for r in ok)
@@ -218,7 +220,7 @@ def summarize_arm(records: list[dict], seconds: float, queried: float, hits: flo
         placement.setdefault(f"c{turn_of(r)[0]}", []).append(urls.index(r["replica"]) if r.get("replica") in urls
                                                              else None)
     return {"hit_rate": hits / queried if queried else None, "prompt_tokens_looked_up": int(queried),
-            "prompt_tokens_found_cached": int(hits), "ttft_p50_s": percentile(ttft, 50),
+            "prompt_tokens_found_cached": int(hits), "num_preemptions": int(preemptions), "ttft_p50_s": percentile(ttft, 50),
             "ttft_p99_s": percentile(ttft, 99), "tokens_per_s": tokens / seconds, "output_tokens": tokens,
             "seconds": seconds, "num_requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
             "requests_per_replica": [rep["routed"] for rep in replicas] if replicas else None,
@@ -300,12 +302,12 @@ def router_records(quick: bool, model=None) -> dict:
             runs = {arm: [] for arm in ARMS}
             interleaved({arm: arm for arm in ARMS}, rounds, lambda arm, r: runs[arm].append(run_arm(
                 arm, server_args, requests, config.vocab_size, seed=r,
-                num_blocks=blocks[arm] if scenario.num_blocks else None)))
+                num_blocks=blocks[arm])))
             for arm in ARMS:
                 median = sorted(runs[arm], key=lambda x: x["tokens_per_s"])[len(runs[arm]) // 2]
-                results.append(dict(median, scenario=name, kv_blocks_per_process=blocks[arm], rounds=rounds,
-                                    **{f"{k}_runs": [x[k] for x in runs[arm]]
-                                       for k in ("hit_rate", "ttft_p50_s", "tokens_per_s")}))
+                results.append(dict(median, scenario=name, rounds=rounds, **{
+                    f"{k}_runs": [x[k] for x in runs[arm]]
+                    for k in ("hit_rate", "ttft_p50_s", "tokens_per_s", "num_preemptions")}))
             about[name] = scenario_summary(scenario, requests, blocks, rounds)
     return {"results": results, **router_summary(results, about, server_args, served)}
 
@@ -326,21 +328,27 @@ def scenario_summary(scenario: Scenario, requests: list, blocks: dict, rounds: i
 
 
 def router_summary(results: list[dict], about: dict, server_args: list, served: str) -> dict:
-    ratio = lambda a, b: a / b if a is not None and b else None  # noqa: E731
+    def ratio(a: dict, b: dict, key: str) -> float | None:
+        """The median over rounds of a's figure over b's in the same round (same seed, same send order)."""
+        pairs = [x / y for x, y in zip(a[f"{key}_runs"], b[f"{key}_runs"]) if x is not None and y]
+        return float(np.median(pairs)) if pairs else None
+
     ratios = {}
     for name in about:
         by = {r["method"]: r for r in results if r["scenario"] == name}
         rr, pa, single = by["round_robin"], by["prefix_affinity"], by[SINGLE]
         ratios.update({
-            f"prefix_affinity_over_round_robin_hit_rate_{name}": ratio(pa["hit_rate"], rr["hit_rate"]),
-            f"round_robin_over_prefix_affinity_ttft_p50_{name}": ratio(rr["ttft_p50_s"], pa["ttft_p50_s"]),
-            f"prefix_affinity_over_round_robin_tokens_per_s_{name}": ratio(pa["tokens_per_s"], rr["tokens_per_s"]),
-            f"prefix_affinity_over_single_2threads_server_tokens_per_s_{name}": ratio(pa["tokens_per_s"],
-                                                                                      single["tokens_per_s"])})
+            f"prefix_affinity_over_round_robin_hit_rate_{name}": ratio(pa, rr, "hit_rate"),
+            f"round_robin_over_prefix_affinity_ttft_p50_{name}": ratio(rr, pa, "ttft_p50_s"),
+            f"prefix_affinity_over_round_robin_tokens_per_s_{name}": ratio(pa, rr, "tokens_per_s"),
+            f"prefix_affinity_over_single_2threads_server_tokens_per_s_{name}": ratio(pa, single, "tokens_per_s")})
     key = f"prefix_affinity_over_round_robin_hit_rate_{TARGET_SCENARIO}"
     return {"ratios": ratios, "targets_met": {f"{key} >= 1.5": ratios[key] is not None and ratios[key] >= 1.5},
             "router": {"model": served, "server_args": server_args, "scenarios": about,
                        "target_scenario": TARGET_SCENARIO,
                        "note": "hit rates from the servers' /metrics; TTFT and tokens/s as the load client sees "
-                               "them, through the router for the two policies; predicted_hit_rate from "
+                               "them, through the router for the two policies; ratios: medians over rounds of "
+                               "the two arms' figures in the same round; a preempted request is looked up again "
+                               "when it resumes (its own blocks then count as hits), which the prediction, "
+                               "requests one at a time, never does; predicted_hit_rate from "
                                "simulate_hit_rate (block bookkeeping, requests one at a time)"}}
