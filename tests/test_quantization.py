@@ -48,9 +48,10 @@ def test_int8_per_channel_round_trip_is_within_half_a_step(w):
     assert np.abs(q.astype(int)).max() <= 127
     back = q * scale[:, None]  # [out, in]
     assert np.all(np.abs(back - w.T) <= scale[:, None] / 2 * (1 + 1e-5) + 1e-12)
-    # each channel's largest weight uses the whole range, unless max|w| / 127 underflows float32 (a channel of
-    # subnormal weights such as 1.4e-44: it quantizes to zeros, within the error bound above)
-    representable = np.abs(w).max(axis=0) / np.float32(127) > 0
+    # each channel's largest weight uses the whole range, unless its scale max|w| / 127 is not a normal float32: a
+    # channel of weights near 1e-42 has a subnormal scale with few significant bits (7.0e-42 then quantizes to 126),
+    # and at 1.4e-44 the scale underflows to zero; both stay within the error bound above
+    representable = np.abs(w).max(axis=0) / np.float32(127) >= np.finfo(np.float32).tiny
     assert np.all(np.abs(q[representable]).max(axis=1) == 127)
 
 
