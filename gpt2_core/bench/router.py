@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..block_manager import blocks_needed
-from ..prefix_cache import PrefixCachingBlockManager
+from ..prefix_cache import PrefixCachingBlockManager, block_hashes as cache_block_hashes
 from ..routing import block_hashes, make_policy
 from .common import interleaved
 from .prefix import BLOCK_SIZE, shared_prefix_workload
@@ -48,7 +48,8 @@ from .serve import Client, percentile
 POLICIES = ("round_robin", "prefix_affinity")
 SINGLE = "single_2threads_server"
 ARMS = (*POLICIES, SINGLE)
-SERVER_ARGS = ("--plain", "--max-num-seqs", "16")  # the chapters' code; 16 sequences in a batch at most
+MAX_NUM_SEQS = 16  # sequences in a server's batch at most
+SERVER_ARGS = ("--plain", "--max-num-seqs", str(MAX_NUM_SEQS))  # the chapters' code
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,6 @@ def turn_of(request) -> tuple[int, int]:
     return int(c), int(t)
 
 
-def _chain(ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``ids`` (hash i stands for blocks 0..i), as chapter 5 keys blocks."""
-    out, parent = [], None
-    for i in range(len(ids) // block_size):
-        parent = hash((parent, tuple(ids[i * block_size:(i + 1) * block_size])))
-        out.append(parent)
-    return out
-
-
 def hit_rate_bounds(requests: list, system_len: int, block_size: int = BLOCK_SIZE) -> dict:
     """The hit rate if every full block of every earlier prompt were found (one cache that never forgets), and if
     only the system prompt were (for every request but the first): what a policy can reach at best, and what the
@@ -114,7 +106,7 @@ def hit_rate_bounds(requests: list, system_len: int, block_size: int = BLOCK_SIZ
     seen, queried, every, system = set(), 0, 0, 0
     for k, r in enumerate(requests):
         ids = r.prompt_token_ids
-        chain = _chain(ids, block_size)
+        chain = cache_block_hashes(ids, block_size)
         lookable = chain[:(len(ids) - 1) // block_size]
         found = next((i for i, h in enumerate(lookable) if h not in seen), len(lookable))
         seen.update(chain)  # its full blocks, cached once computed
@@ -295,10 +287,9 @@ def router_records(quick: bool, model=None) -> dict:
                            "--served-model-name", "gpt2-random"]
             served = "random weights of GPT-2 124M's shape"
         rounds, results, about = 1 if quick else 3, [], {}
-        max_num_seqs = int(SERVER_ARGS[SERVER_ARGS.index("--max-num-seqs") + 1])
         for name, scenario in scenarios.items():
             requests = chat_workload(scenario, config.vocab_size)
-            blocks = {arm: kv_blocks(scenario, arm, config.n_positions, max_num_seqs) for arm in ARMS}
+            blocks = {arm: kv_blocks(scenario, arm, config.n_positions, MAX_NUM_SEQS) for arm in ARMS}
             runs = {arm: [] for arm in ARMS}
             interleaved({arm: arm for arm in ARMS}, rounds, lambda arm, r: runs[arm].append(run_arm(
                 arm, server_args, requests, config.vocab_size, seed=r,
