@@ -9,14 +9,14 @@ The public API, stable across chapters:
 * ``model.tokenizer.encode(text)`` / ``.decode(ids)`` (``Tokenizer``)
 """
 
-from . import kv_cache  # chapter 2 (its generate has chapter 1's signature)
-from .config import PRESETS, GPT2Config
+from .ch2_kv_cache import kv_cache  # chapter 2 (its generate has chapter 1's signature)
+from .loading.config import PRESETS, GPT2Config
 from .errors import CheckpointError, GPT2Error, InvalidInputError
-from .generation import generate, generate_stream
-from .model import forward
-from .sampling import SamplingParams
-from .tokenizer import Tokenizer
-from .weights import GPT2Model, load_model, random_model
+from .ch1_forward.generation import generate, generate_stream
+from .ch1_forward.model import forward
+from .ch1_forward.sampling import SamplingParams
+from .loading.tokenizer import Tokenizer
+from .loading.weights import GPT2Model, load_model, random_model
 
 __version__ = "0.1.0"
 

@@ -8,14 +8,14 @@ import os
 import secrets
 import sys
 
-from . import routing
+from .ch8_parallel import routing
 from .errors import GPT2Error
 
 
 def _generate(args) -> int:
-    from .generation import check_generation
-    from .sampling import SamplingParams
-    from .weights import load_model
+    from .ch1_forward.generation import check_generation
+    from .ch1_forward.sampling import SamplingParams
+    from .loading.weights import load_model
 
     model = load_model(args.model)
     stream = _engine(args.engine)
@@ -48,15 +48,15 @@ def _generate(args) -> int:
 
 def _engine(name: str):
     if name == "naive":
-        from .generation import generate_stream
+        from .ch1_forward.generation import generate_stream
     else:
-        from .kv_cache import generate_stream
+        from .ch2_kv_cache.kv_cache import generate_stream
     return generate_stream
 
 
 def _bench(args) -> int:
     from .bench.registry import run_benchmark
-    from .cpu_kernels import keep_freed_memory
+    from .a1_cpu_kernels import keep_freed_memory
 
     keep_freed_memory()  # this process only: every strategy timed with the same allocator (the appendix)
     run_benchmark(args.name, json_path=args.json, trace=args.trace, quick=args.quick, base_url=args.base_url)
@@ -64,13 +64,22 @@ def _bench(args) -> int:
 
 
 def _serve(args) -> int:
-    from .serving.app import serve_main
+    from .ch7_serving.app import serve_main
 
-    return serve_main(args)
+    return serve_main(args, prepare=None if args.plain else _accelerated)
+
+
+def _accelerated(model):
+    """The appendix's kernels and allocator setting under the server's model (``serve`` without ``--plain``): the
+    CLI chooses them, so that chapter 7's code never imports the appendix."""
+    from .a1_cpu_kernels import accelerate, keep_freed_memory
+
+    keep_freed_memory()
+    return accelerate(model)
 
 
 def _route(args) -> int:
-    from .serving.router import route_main
+    from .ch8_parallel.http_router import route_main
 
     return route_main(args)
 

@@ -66,3 +66,20 @@ def is_writable_file(path) -> bool:
     """A file could be written at ``path``: not a folder, in a folder that exists and that we may write to."""
     path = Path(path)
     return not path.is_dir() and path.parent.is_dir() and os.access(path.parent, os.W_OK)
+
+
+def check_sampling(temperature, top_k=None, top_p=None, seed=None) -> tuple:
+    """The sampling parameters as Python numbers (``np.float32(0.75)`` -> ``0.75``), or an ``InvalidInputError``
+    naming the first bad one: temperature >= 0 (0 = greedy), top_k >= 0 (0 or None = all), top_p in (0, 1],
+    seed >= 0. Chapter 1's ``SamplingParams`` and the loader's ``sampling_defaults`` both check with it."""
+    t, k, p = temperature, top_k, top_p
+    if not is_real(t) or t < 0:
+        raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+    if k is not None and not is_integer(k, 0):
+        raise InvalidInputError(f"top_k must be an integer >= 0 (0 = no limit), got {k!r}")
+    if p is not None and (not is_real(p) or not 0 < p <= 1):
+        raise InvalidInputError(f"top_p must be in (0, 1] (1 = no limit), got {p!r}")
+    if seed is not None and not is_integer(seed, 0):
+        raise InvalidInputError(f"seed must be a non-negative integer, got {seed!r}")
+    return (float(t), None if k is None else int(k), None if p is None else float(p),
+            None if seed is None else int(seed))

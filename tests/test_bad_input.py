@@ -9,17 +9,17 @@ import pytest
 from helpers import TINY, config_json, tiny_model
 
 import gpt2_core
-from gpt2_core import kv_cache, model_runner
+from gpt2_core import kv_cache; from gpt2_core.ch3_batching import model_runner
 from gpt2_core.bench import workload as wl
-from gpt2_core.config import GPT2Config
+from gpt2_core.loading.config import GPT2Config
 from gpt2_core.bench.replay import replay
-from gpt2_core.engine import LLMEngine
+from gpt2_core.ch3_batching.engine import LLMEngine
 from gpt2_core.errors import CheckpointError, InvalidInputError
-from gpt2_core.kv_store import ContiguousKVStore
-from gpt2_core.paged_kv_store import PagedKVStore
-from gpt2_core.sampling import Sampler, SamplingParams
-from gpt2_core.sequence import FinishReason, Request
-from gpt2_core.static_batching import static_generate
+from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
+from gpt2_core.ch1_forward.sampling import Sampler, SamplingParams
+from gpt2_core.ch3_batching.sequence import FinishReason, Request
+from gpt2_core.ch3_batching.static_batching import static_generate
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_a_model_step_that_raises_leaves_the_engine_able_to_go_on(model, monkeyp
             raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of a step, after some layers wrote their K/V
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("gpt2_core.engine.ragged_forward", fails_once)
+    monkeypatch.setattr("gpt2_core.ch3_batching.engine.ragged_forward", fails_once)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     assert engine.store.reserved_tokens() == 0 and len(engine.scheduler.waiting) == 2  # both wait again, KV freed
@@ -174,7 +174,7 @@ def test_a_vocabulary_with_gaps_bounds_ids_by_its_largest_id_not_its_token_count
 
     from helpers import write_checkpoint
 
-    from gpt2_core.tokenizer import Tokenizer
+    from gpt2_core.loading.tokenizer import Tokenizer
 
     (tmp_path / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 500}))
     (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
@@ -244,9 +244,9 @@ def test_loading_and_tokenising_bad_bytes_give_package_errors(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
     with pytest.raises(CheckpointError, match="dtype"):
-        gpt2_core.safetensors_io.load_safetensors(bad)
+        gpt2_core.loading.safetensors_io.load_safetensors(bad)
     with pytest.raises(CheckpointError, match="cannot read"):
-        gpt2_core.safetensors_io.load_safetensors(tmp_path)  # a directory
+        gpt2_core.loading.safetensors_io.load_safetensors(tmp_path)  # a directory
     (tmp_path / "config.json").write_text(json.dumps(config_json(TINY)))
     (tmp_path / "model.safetensors.index.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(CheckpointError, match="not a valid safetensors index"):

@@ -14,14 +14,14 @@ import pytest
 from helpers import ROOT, tiny_model
 
 import gpt2_core
-from gpt2_core import generation, kv_cache, quant_kernels, static_batching
+from gpt2_core.ch1_forward import generation; from gpt2_core import kv_cache; from gpt2_core.ch6_quantization import quant_kernels; from gpt2_core.ch3_batching import static_batching
 from gpt2_core.bench import capstone as C
 from gpt2_core.bench.kv_cache import weight_bytes_per_token
 from gpt2_core.bench.workload import poisson_workload
-from gpt2_core.config import GPT2Config
-from gpt2_core.engine import LLMEngine
-from gpt2_core.quantization import bytes_per_token
-from gpt2_core.sequence import Request
+from gpt2_core.loading.config import GPT2Config
+from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch6_quantization.quantization import bytes_per_token
+from gpt2_core.ch3_batching.sequence import Request
 
 CONFIG = GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_head=4, n_layer=2)
 
@@ -37,16 +37,15 @@ def workload(n=5, seed=0, vocab=96):
 class CallCounter:
     """Wraps the matmul-bearing functions in every gpt2_core module that imported them and adds up their FLOPs
     from the shapes they are called with: ``linear`` 2 x rows x in x out, ``lm_head`` 2 x rows x E x V, chapter 1's
-    ``attention`` and chapter 3's ``decode_attention`` 4 x H x T x S x D (Q K^T and P V), and static batching's
+    ``attention`` and its one-query form ``decode_attention`` 4 x H x T x S x D (Q K^T and P V), and static batching's
     ``softmax`` over its [b, H, T, S] scores 4 x D per score (its attention's two products are written inline)."""
 
     def __init__(self, monkeypatch, config):
-        import gpt2_core.model as M
-        import gpt2_core.model_runner as MR
+        import gpt2_core.ch1_forward.model as M
 
         self.flops, D = 0, config.head_dim
         originals = {"linear": M.linear, "lm_head": M.lm_head, "attention": M.attention,
-                     "decode_attention": MR.decode_attention}
+                     "decode_attention": M.decode_attention}
 
         def linear(x, weight, bias):
             self.flops += 2 * x.shape[0] * weight.shape[0] * weight.shape[1]

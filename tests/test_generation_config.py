@@ -14,8 +14,8 @@ import pytest
 
 import gpt2_core
 from gpt2_core.errors import CheckpointError, InvalidInputError
-from gpt2_core.sampling import sampling_defaults
-from gpt2_core.weights import EMBEDDED_MODEL_DIR
+from gpt2_core.loading.config import sampling_defaults
+from gpt2_core.loading.weights import EMBEDDED_MODEL_DIR
 from helpers import ROOT, tiny_model, write_checkpoint
 
 GREEDY = {"temperature": 0.0, "top_k": None, "top_p": None}

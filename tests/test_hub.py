@@ -1,4 +1,4 @@
-"""Tests of gpt2_core.hub against a fake Hugging Face Hub on 127.0.0.1: no internet is needed, or touched.
+"""Tests of gpt2_core.loading.hub against a fake Hugging Face Hub on 127.0.0.1: no internet is needed, or touched.
 
     python -m pytest tests/test_hub.py -q
 
@@ -30,7 +30,7 @@ import pytest
 hf = pytest.importorskip("huggingface_hub")  # the optional [hub] extra
 from huggingface_hub import constants as hf_constants  # noqa: E402
 
-from gpt2_core import hub  # noqa: E402
+from gpt2_core.loading import hub  # noqa: E402
 from gpt2_core.errors import CheckpointError  # noqa: E402
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -264,7 +264,7 @@ def test_hf_hub_offline_is_named(names, tmp_path):
              "hf.is_offline_mode = None\n"
              "if hasattr(hf.errors, 'RemoteEntryNotFoundError'):\n"
              "    del hf.errors.RemoteEntryNotFoundError\n") if names == "0.x names" else ""
-    code = as_0x + ("from gpt2_core import hub\n"
+    code = as_0x + ("from gpt2_core.loading import hub\n"
                     "try:\n"
                     "    hub.download('gpt2')\n"
                     "except Exception as e:\n"
@@ -320,7 +320,7 @@ def test_environment_variables_in_a_fresh_process(hub_env, tmp_path):
              "socket.socket.connect = connect\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     env.update(HF_ENDPOINT=fake.url, HF_HOME=str(tmp_path / "fresh"), HF_HUB_DISABLE_PROGRESS_BARS="1")
-    out = subprocess.run([sys.executable, "-c", guard + "from gpt2_core import hub; print(hub.download('gpt2'))"],
+    out = subprocess.run([sys.executable, "-c", guard + "from gpt2_core.loading import hub; print(hub.download('gpt2'))"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     folder = Path(out.stdout.strip())

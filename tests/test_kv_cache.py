@@ -108,7 +108,7 @@ def test_generate_validates_like_chapter_1():
 def test_the_layouts_bench_layout_compares_compute_the_same_logits():
     """``bench layout`` compares whole steps with the checkpoint's row-major output projections and column-major
     ones: accelerated copies with the same values that leave the model itself untouched."""
-    from gpt2_core.cpu_kernels import accelerate, array_of
+    from gpt2_core.a1_cpu_kernels import accelerate, array_of
 
     model = tiny_model()
     row = accelerate(model, tiled=False, column_major=False)
@@ -145,7 +145,7 @@ def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
     """The chain is the step's matrix products alone: its weights are all of a step's weight bytes but the biases
     and layer-norm vectors, each matrix once, each in the memory order the step reads it."""
     from gpt2_core.bench.kv_cache import decode_gemvs, gemv_chain_seconds, weight_bytes_per_token
-    from gpt2_core.cpu_kernels import accelerate, array_of
+    from gpt2_core.a1_cpu_kernels import accelerate, array_of
 
     model = accelerate(tiny_model())  # the benchmarks' model
     gemvs = decode_gemvs(model)
@@ -163,7 +163,7 @@ def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
 def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monkeypatch):
     import time
 
-    from gpt2_core import GPT2Config, model as model_module, random_model
+    from gpt2_core import GPT2Config, random_model; from gpt2_core.ch1_forward import model as model_module
     from gpt2_core.bench import kv_cache as bench
 
     config = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_head=2, n_layer=2)

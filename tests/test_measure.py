@@ -50,7 +50,7 @@ TEMPORARIES = """
 import resource
 import numpy as np
 from gpt2_core.bench import common as measure
-from gpt2_core.cpu_kernels import keep_freed_memory
+from gpt2_core.a1_cpu_kernels import keep_freed_memory
 
 def faults_of_temporaries():
     x = np.ones(2**20, dtype=np.float32)  # 4 MiB

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import gpt2_core
-from gpt2_core import GPT2Config, weights
+from gpt2_core import GPT2Config; from gpt2_core.loading import weights
 from gpt2_core.errors import CheckpointError, GPT2Error
-from gpt2_core.tokenizer import MissingTokenizer
+from gpt2_core.loading.tokenizer import MissingTokenizer
 from helpers import PACKAGE_DATA, ROOT, TINY, tiny_model, write_checkpoint
 
 GPT2_VOCAB_TINY = GPT2Config(vocab_size=50257, n_positions=16, n_embd=8, n_head=2, n_layer=1, eos_token_id=50256)
@@ -42,7 +42,7 @@ def test_gpt2_core_data_names_another_folder_of_the_same_layout(tmp_path):
     other = tmp_path / "data"
     shutil.copytree(PACKAGE_DATA / "embedded", other / "embedded")
     shutil.copytree(PACKAGE_DATA / "gpt2_tokenizer", other / "gpt2_tokenizer")
-    code = ("import gpt2_core; from gpt2_core.config import GPT2Config; from gpt2_core import weights\n"
+    code = ("import gpt2_core; from gpt2_core.loading.config import GPT2Config; from gpt2_core.loading import weights\n"
             "print(weights.DATA_DIR, gpt2_core.load_model().source)\n"
             f"print(gpt2_core.random_model(GPT2Config(**{vars(GPT2_VOCAB_TINY)!r})).tokenizer.source)")
     r = python(code, GPT2_CORE_DATA=str(other))
@@ -52,7 +52,7 @@ def test_gpt2_core_data_names_another_folder_of_the_same_layout(tmp_path):
 
 
 def test_a_gpt2_core_data_folder_without_the_files_says_so(tmp_path):
-    code = ("import gpt2_core; from gpt2_core.config import GPT2Config\n"
+    code = ("import gpt2_core; from gpt2_core.loading.config import GPT2Config\n"
             f"model = gpt2_core.random_model(GPT2Config(**{vars(GPT2_VOCAB_TINY)!r}))\n"
             "print(gpt2_core.generate(model, [464, 318], 2))\n"  # token ids need no tokenizer
             "for call in (lambda: model.tokenizer.encode('Hello'), lambda: model.tokenizer.decode([1]),\n"

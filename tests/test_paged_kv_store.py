@@ -22,16 +22,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpt2_core import GPT2Config, kv_cache
-from gpt2_core.block_manager import blocks_needed
-from gpt2_core.engine import LLMEngine
+from gpt2_core.ch4_paged.block_manager import blocks_needed
+from gpt2_core.ch3_batching.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
-from gpt2_core.generation import positions_needed
-from gpt2_core.kv_store import ContiguousKVStore
-from gpt2_core.model_runner import Chunk, ragged_forward
-from gpt2_core.paged_kv_store import PagedKVStore, slot_indices
-from gpt2_core.sequence import FinishReason, Request
-from gpt2_core.static_batching import static_generate
-from gpt2_core.weights import random_model
+from gpt2_core.ch1_forward.generation import positions_needed
+from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch3_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore, slot_indices
+from gpt2_core.ch3_batching.sequence import FinishReason, Request
+from gpt2_core.ch3_batching.static_batching import static_generate
+from gpt2_core.loading.weights import random_model
 
 MODEL = tiny_model()
 CFG = MODEL.config
@@ -49,8 +49,8 @@ def resident_bytes() -> int:
 STORE_IN_A_FRESH_PROCESS = """
 import os, sys
 from gpt2_core import GPT2Config
-from gpt2_core.kv_store import ContiguousKVStore
-from gpt2_core.paged_kv_store import PagedKVStore
+from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
 
 def resident_bytes():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -87,9 +87,9 @@ def test_a_store_takes_its_memory_when_built_not_on_first_use(kind):
     (lambda m: static_generate(m, [[1, 2]] * 8, 1022), ["static batch's KV cache of 8 rows x 1024 columns"])],
     ids=["contiguous", "paged", "engine-default-store", "static-batch"])
 def test_a_store_larger_than_the_memory_available_is_refused_before_it_is_written(make, names, monkeypatch):
-    import gpt2_core.kv_store
+    import gpt2_core.ch3_batching.kv_store
 
-    monkeypatch.setattr(gpt2_core.kv_store, "available_memory_bytes", lambda: 48 * 2**20)  # 48 MiB left
+    monkeypatch.setattr(gpt2_core.ch3_batching.kv_store, "available_memory_bytes", lambda: 48 * 2**20)  # 48 MiB left
     model = random_model(GPT2Config(vocab_size=11, n_positions=1024, n_embd=256, n_head=4, n_layer=4))
     before = resident_bytes()
     with pytest.raises(CacheCapacityError) as error:
@@ -101,7 +101,7 @@ def test_a_store_larger_than_the_memory_available_is_refused_before_it_is_writte
 
 
 def test_available_memory_is_the_smaller_of_the_system_and_the_container_limit(tmp_path):
-    from gpt2_core.memory import available_memory_bytes
+    from gpt2_core.loading.memory import available_memory_bytes
 
     def write(path, text):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def test_available_memory_is_the_smaller_of_the_system_and_the_container_limit(t
 
 
 def test_available_memory_is_read_from_the_system():
-    from gpt2_core.memory import available_memory_bytes
+    from gpt2_core.loading.memory import available_memory_bytes
 
     available = available_memory_bytes()
     if os.path.exists("/proc/meminfo"):

@@ -1,4 +1,4 @@
-"""Tests of gpt2_core.torch_bin: reading pytorch_model.bin without torch.
+"""Tests of gpt2_core.loading.torch_bin: reading pytorch_model.bin without torch.
 
     python -m pytest tests/test_torch_bin.py -q
 
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpt2_core.errors import CheckpointError
-from gpt2_core.torch_bin import LEGACY_MAGIC, load_torch_bin
+from gpt2_core.loading.torch_bin import LEGACY_MAGIC, load_torch_bin
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ZIP, LEGACY = FIXTURES / "tiny_zip.bin", FIXTURES / "tiny_legacy.bin"
@@ -235,7 +235,7 @@ def test_not_a_checkpoint(tmp_path):
 def test_a_legacy_file_saved_with_pickle_protocol_1_loads(tmp_path):
     """torch.save(..., pickle_protocol=1, _use_new_zipfile_serialization=False) is legal: its first byte is not
     protocol 2's 0x80, and it is still a checkpoint."""
-    from gpt2_core.torch_bin import LEGACY_MAGIC
+    from gpt2_core.loading.torch_bin import LEGACY_MAGIC
 
     data = (FIXTURES / "tiny_legacy.bin").read_bytes()
     first = pickle.dumps(LEGACY_MAGIC, protocol=2)
@@ -387,7 +387,7 @@ def test_a_tuple_tree_is_neither_printed_nor_hashed(tmp_path):
 
 
 def test_build_cannot_change_the_loaders_own_functions(tmp_path):
-    from gpt2_core import torch_bin
+    from gpt2_core.loading import torch_bin
 
     evil = {  # BUILD on an allowed function: state (None, {"__defaults__": (7, 8)}) is setattr, {"pwnd": 1} __dict__
         "defaults": b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n"

@@ -8,8 +8,8 @@ from helpers import TINY, config_json, tiny_model, write_checkpoint, write_safet
 
 import gpt2_core
 from gpt2_core import CheckpointError, GPT2Config, PRESETS
-from gpt2_core.safetensors_io import read_safetensors_header
-from gpt2_core.weights import expected_shapes
+from gpt2_core.loading.safetensors_io import read_safetensors_header
+from gpt2_core.loading.weights import expected_shapes
 
 
 @pytest.fixture
@@ -240,7 +240,7 @@ def test_malformed_shard_index_and_tokenizer_files_are_named(tmp_path, model):
     expect_error(r"index.json: weight_map must map tensor names to shard file names", d)
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"wte.weight": 5}}))
     expect_error(r"index.json: weight_map must map tensor names to shard file names", d)
-    from gpt2_core.tokenizer import Tokenizer
+    from gpt2_core.loading.tokenizer import Tokenizer
 
     (tmp_path / "vocab.json").write_text('{"a": 0, "b"')
     (tmp_path / "merges.txt").write_text("#version: 0.2\n")

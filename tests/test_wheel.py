@@ -90,7 +90,7 @@ def test_the_installed_package_generates_the_same_text_as_the_checkout(installed
 def test_the_installed_package_has_gpt2s_tokenizer_and_says_where_its_files_are(installed):
     _, python, outside, env, _ = installed
     code = ("import gpt2_core\n"
-            "from gpt2_core.weights import DATA_DIR, EMBEDDED_MODEL_DIR, GPT2_TOKENIZER_FILE\n"
+            "from gpt2_core.loading.weights import DATA_DIR, EMBEDDED_MODEL_DIR, GPT2_TOKENIZER_FILE\n"
             "print(gpt2_core.random_model('gpt2').tokenizer.encode('Hello world'))\n"
             "print(DATA_DIR)\n"
             "print(all(p.is_file() for p in (EMBEDDED_MODEL_DIR / 'model.safetensors', GPT2_TOKENIZER_FILE,\n"

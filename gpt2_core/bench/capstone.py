@@ -39,17 +39,19 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import generation, kv_cache, quant_kernels
-from ..caching_engine import CachingLLMEngine
-from ..config import GPT2Config, preset
-from ..cpu_kernels import accelerate
-from ..engine import LLMEngine, RequestOutput
-from ..kv_cache import kv_cache_bytes
-from ..paged_kv_store import PagedKVStore
-from ..prefix_cache import PrefixCachingKVStore
-from ..quantization import MATRICES, QuantizedEmbedding, bytes_per_token, quantize_model
-from ..sequence import FinishReason, Request, SequenceMetrics
-from ..weights import GPT2Model, random_model
+from ..ch1_forward import generation
+from ..ch2_kv_cache import kv_cache
+from ..ch6_quantization import quant_kernels
+from ..ch5_sharing.caching_engine import CachingLLMEngine
+from ..loading.config import GPT2Config, preset
+from ..a1_cpu_kernels import accelerate
+from ..ch3_batching.engine import LLMEngine, RequestOutput
+from ..ch2_kv_cache.kv_cache import kv_cache_bytes
+from ..ch4_paged.paged_kv_store import PagedKVStore
+from ..ch5_sharing.prefix_cache import PrefixCachingKVStore
+from ..ch6_quantization.quantization import MATRICES, QuantizedEmbedding, bytes_per_token, quantize_model
+from ..ch3_batching.sequence import FinishReason, Request, SequenceMetrics
+from ..loading.weights import GPT2Model, random_model
 from . import workload as wl
 from .batching import gemm_bound_tokens_per_s, replay_hf, warm_up
 from .common import GRADING, QUICK, blas_info, blas_threads, median_time

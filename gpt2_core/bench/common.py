@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..cpu_kernels.memory import freed_memory_kept
+from ..a1_cpu_kernels.malloc import freed_memory_kept
 from ..errors import is_integer
 
 # nbgrader sets NBGRADER_EXECUTION ("autograde" or "validate") while it executes a notebook to grade it. Grades
@@ -31,7 +31,7 @@ def timing_model_shape():
         return "gpt2"
     from dataclasses import replace
 
-    from ..config import preset
+    from ..loading.config import preset
 
     return replace(preset("gpt2"), n_layer=2)
 

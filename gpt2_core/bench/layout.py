@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import kv_cache
-from ..config import GPT2Config
-from ..cpu_kernels import accelerate
-from ..weights import random_model
+from ..ch2_kv_cache import kv_cache
+from ..loading.config import GPT2Config
+from ..a1_cpu_kernels import accelerate
+from ..loading.weights import random_model
 from .batching import decode_step_runner
 from .common import QUICK, interleaved, median_time
 

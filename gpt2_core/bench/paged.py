@@ -24,15 +24,15 @@ import time
 
 import numpy as np
 
-from ..config import GPT2Config
-from ..engine import LLMEngine
-from ..kv_cache import kv_cache_bytes
-from ..kv_store import ContiguousKVStore, KVStore
+from ..loading.config import GPT2Config
+from ..ch3_batching.engine import LLMEngine
+from ..ch2_kv_cache.kv_cache import kv_cache_bytes
+from ..ch3_batching.kv_store import ContiguousKVStore, KVStore
 from .common import QUICK
-from ..paged_kv_store import PagedKVStore
-from ..sequence import Request
-from ..cpu_kernels import accelerate
-from ..weights import GPT2Model, random_model
+from ..ch4_paged.paged_kv_store import PagedKVStore
+from ..ch3_batching.sequence import Request
+from ..a1_cpu_kernels import accelerate
+from ..loading.weights import GPT2Model, random_model
 from .workload import load_trace, standard_workload, summarize
 
 SLOT_LEN = 512  # chapter 3's max_len for the standard workload: its longest request (256 prompt + 256 output)

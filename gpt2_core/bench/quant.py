@@ -32,16 +32,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import kv_cache, quant_kernels
-from ..config import preset
-from ..engine import LLMEngine
-from ..kv_cache import kv_cache_bytes
-from ..model_runner import Chunk, ragged_forward
-from ..quant_kv_store import KV_FORMATS, kv_bytes_per_token, paged_store
-from ..quantization import (bytes_per_token, greedy_agreement, heldout_token_ids, logit_error, perplexity,
-                            quantize_model)
-from ..sequence import Request
-from ..weights import GPT2Model, load_model, random_model
+from ..ch2_kv_cache import kv_cache
+from ..ch6_quantization import quant_kernels
+from ..loading.config import preset
+from ..ch3_batching.engine import LLMEngine
+from ..ch2_kv_cache.kv_cache import kv_cache_bytes
+from ..ch3_batching.model_runner import Chunk, ragged_forward
+from ..ch6_quantization.quant_kv_store import KV_FORMATS, kv_bytes_per_token, paged_store
+from ..ch6_quantization.quantization import bytes_per_token, greedy_agreement, heldout_token_ids, logit_error, perplexity, quantize_model
+from ..ch3_batching.sequence import Request
+from ..loading.weights import GPT2Model, load_model, random_model
 from .batching import decode_step_runner
 from .common import GRADING, QUICK, blas_info, blas_threads, median_time
 from .paged import fresh

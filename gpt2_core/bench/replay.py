@@ -13,11 +13,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .. import static_batching
-from ..engine import LLMEngine, RequestOutput
+from ..ch3_batching import static_batching
+from ..ch3_batching.engine import LLMEngine, RequestOutput
 from ..errors import InvalidInputError, is_integer, is_real
-from ..sequence import FinishReason, Request, SequenceMetrics
-from ..weights import GPT2Model
+from ..ch3_batching.sequence import FinishReason, Request, SequenceMetrics
+from ..loading.weights import GPT2Model
 
 
 def check_arrivals(requests) -> None:

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..block_manager import blocks_needed
-from ..prefix_cache import PrefixCachingBlockManager, block_hashes as cache_block_hashes
-from ..routing import block_hashes, make_policy
+from ..ch4_paged.block_manager import blocks_needed
+from ..ch5_sharing.prefix_cache import PrefixCachingBlockManager, block_hashes as cache_block_hashes
+from ..ch8_parallel.routing import block_hashes, make_policy
 from .common import interleaved
 from .prefix import BLOCK_SIZE, shared_prefix_workload
 from .serve import Client, percentile
@@ -235,7 +235,7 @@ def run_arm(arm: str, server_args: list[str], requests: list, vocab_size: int, s
             one_at_a_time: bool = False, num_blocks: int | None = None) -> dict:
     """One arm on fresh servers (and router), stopped at the end; ``num_blocks``: each server's KV blocks
     (None: the server's default)."""
-    from ..serving.launch import RouterProcess, start_servers
+    from ..ch7_serving.launch import RouterProcess, start_servers
 
     policy = arm if arm in POLICIES else None
     args = [*server_args, *(("--num-blocks", str(num_blocks)) if num_blocks else ())]
@@ -274,8 +274,8 @@ def router_records(quick: bool, model=None) -> dict:
     """Each scenario's three arms, taking turns over rounds (order reversed every other round), each reported by
     its median run by throughput; with ``quick``, the embedded model on small chats, else ``model`` (random weights
     of GPT-2 124M's shape) written to a temporary folder for the servers to load."""
-    from ..config import GPT2Config
-    from ..weights import EMBEDDED_MODEL_DIR
+    from ..loading.config import GPT2Config
+    from ..loading.weights import EMBEDDED_MODEL_DIR
 
     with tempfile.TemporaryDirectory(prefix="gpt2_router_") as tmp:
         if quick or model is None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from gpt2_core import bench
 from gpt2_core.measure import machine_info
-from gpt2_core.weights import random_model
+from gpt2_core.loading.weights import random_model
 
 KINDS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # each block's, in the chain's order
 

@@ -1,0 +1,129 @@
+"""Appendix: the seam. ``accelerate(model)`` returns the same model with its weights wrapped in ``FastWeight``s.
+
+Chapter code multiplies as it always does (chapter 1's ``linear`` is ``x @ weight + bias``, the head
+``x @ wte.T``). A ``FastWeight`` sets ``__array_ufunc__ = None``, so NumPy hands ``x @ weight`` to its
+``__rmatmul__``, which picks the kernel for the number of rows: one GEMV for one row, tiles for 2-64 rows
+(``tiles``), a GEMV per row or a padded GEMM without them (``small_batch``). The numbers are the same weights; two
+copies change only how they lie in memory: the output projections are kept column-major (a GEMV streams them
+faster here) and the tied LM head gets its own contiguous [E, V] copy (``x @ wte.T`` reads wte through a
+transposed view). Every chapter runs unchanged on an accelerated model; no chapter imports this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..loading.memory import available_memory_bytes
+from ..loading.weights import GPT2Model
+from .small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, small_batch_matmul
+from .tiles import tile_bytes, tile_weight, tiled_matmul, uses_tiles
+
+COLUMN_MAJOR = (("attn", "c_proj"), ("mlp", "c_proj"))  # (module, layer) kept column-major
+
+
+class _Wrapper:
+    """What NumPy and the package read of the array inside (``self.array``): shape, dtype, sizes, and the array
+    itself for ``np.asarray``. ``__array_ufunc__ = None`` makes NumPy hand ``x @ self`` to ``__rmatmul__``."""
+
+    __array_ufunc__ = None
+    array: np.ndarray
+    shape = property(lambda self: self.array.shape)
+    ndim = property(lambda self: self.array.ndim)
+    dtype = property(lambda self: self.array.dtype)
+    size = property(lambda self: self.array.size)
+    nbytes = property(lambda self: self.array.nbytes)
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.array, dtype=dtype)
+
+
+class FastWeight(_Wrapper):
+    """A weight [in, out] whose product ``x @ weight`` (x [N, in]) takes the fastest kernel for N rows.
+
+    ``tiled``: 2 to 64 rows go through tiles of the weight, made on first use and kept (only while memory
+    ``spare_bytes`` large stays free after them, else the kernels below run). ``gemv_max_rows``: without tiles,
+    up to this many rows run one GEMV per row (1: always the GEMM). ``block``: the column block of per-row GEMVs.
+    """
+
+    def __init__(self, array, *, tiled: bool = True, gemv_max_rows: int = GEMV_MAX_ROWS, block: int | None = None,
+                 spare_bytes: int = 0, _kept: dict | None = None):
+        self.array = array  # [in, out]
+        self.tiled, self.gemv_max_rows, self.block, self.spare_bytes = tiled, gemv_max_rows, block, spare_bytes
+        self._kept = {} if _kept is None else _kept  # the tiles, shared with ``configured`` copies
+
+    def configured(self, tiled: bool, gemv_max_rows: int) -> FastWeight:
+        """The same weight (and tiles) with other kernel settings."""
+        return FastWeight(self.array, tiled=tiled, gemv_max_rows=gemv_max_rows, block=self.block,
+                          spare_bytes=self.spare_bytes, _kept=self._kept)
+
+    def tiles(self) -> np.ndarray | None:
+        """``tile_weight(array)``, made on first use; None if the memory for it is not available."""
+        if "tiles" not in self._kept:
+            available = available_memory_bytes()
+            fits = available is None or tile_bytes(self.array) + self.spare_bytes <= available
+            self._kept["tiles"] = tile_weight(self.array) if fits else None
+        return self._kept["tiles"]
+
+    def __rmatmul__(self, x):  # x [N, in] -> [N, out]
+        if x.ndim != 2:
+            return np.matmul(x, self.array)
+        if self.tiled and uses_tiles(len(x)):
+            tiles = self.tiles()
+            if tiles is not None:
+                return tiled_matmul(x, tiles, self.array.shape[1])
+        return small_batch_matmul(x, self.array, self.gemv_max_rows, self.block)
+
+
+class TiedEmbedding(_Wrapper):
+    """``wte`` [V, E] of an accelerated model: rows by token id for the embedding; ``.T``, the LM head, is its own
+    contiguous [E, V] ``FastWeight`` (a copy: V x E x 4 bytes)."""
+
+    def __init__(self, wte: np.ndarray, head: FastWeight):
+        self.array, self.T = wte, head
+
+    def __getitem__(self, token_ids):
+        return self.array[token_ids]
+
+
+def array_of(a) -> np.ndarray:
+    """The array inside a ``FastWeight`` or ``TiedEmbedding`` (``a`` itself if it is an array)."""
+    return a.array if isinstance(a, (FastWeight, TiedEmbedding)) else a
+
+
+def accelerate(model: GPT2Model, tiled: bool = True, gemv_max_rows: int = GEMV_MAX_ROWS,
+               column_major: bool = True) -> GPT2Model:
+    """``model`` with every matmul weight in a ``FastWeight`` (and the head in a ``TiedEmbedding``); biases, layer
+    norms and position embeddings are shared with ``model``. ``tiled``, ``gemv_max_rows``: ``FastWeight``'s;
+    ``column_major``: keep the two output projections column-major (else as the checkpoint has them). An
+    accelerated model given here gets the new kernel settings and keeps its arrays (and their order) and tiles."""
+    spare = sum(array_of(a).nbytes for a in model.state_dict().values())  # tiles only while this much stays free
+
+    def fast(weight, order="C", block=None):
+        if isinstance(weight, FastWeight):
+            return weight.configured(tiled, gemv_max_rows)
+        array = np.asfortranarray(weight) if order == "F" else np.ascontiguousarray(weight)
+        return FastWeight(array, tiled=tiled, gemv_max_rows=gemv_max_rows, block=block, spare_bytes=spare)
+
+    params = dict(model.params)
+    wte = model.params["wte"]  # wte.T: a FastWeight already, or a transposed view that fast() copies contiguous
+    params["wte"] = TiedEmbedding(array_of(wte), fast(wte.T, block=HEAD_BLOCK))
+    params["h"] = []
+    for p in model.params["h"]:
+        p = dict(p)
+        for module, layers in (("attn", ("c_attn", "c_proj")), ("mlp", ("c_fc", "c_proj"))):
+            p[module] = dict(p[module])
+            for name in layers:
+                order = "F" if column_major and (module, name) in COLUMN_MAJOR else "C"
+                p[module][name] = {**p[module][name], "weight": fast(p[module][name]["weight"], order)}
+        params["h"].append(p)
+    return replace(model, params=params)
+
+
+def plain(model: GPT2Model) -> GPT2Model:  # the inverse of accelerate
+    """``model`` with plain arrays again (the same numbers)."""
+    params = dict(model.params, wte=array_of(model.params["wte"]))
+    params["h"] = [{**p, **{m: {n: {**layer, "weight": array_of(layer["weight"])} for n, layer in p[m].items()}
+                            for m in ("attn", "mlp")}} for p in model.params["h"]]
+    return replace(model, params=params)

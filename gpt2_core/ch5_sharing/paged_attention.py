@@ -1,0 +1,79 @@
+"""Chapter 5: paged attention proper — a decoding token attends to its sequence's K/V where they lie, block by block.
+
+Chapter 4's store gathers a sequence's whole history into one contiguous array per layer (``np.take``) before
+attention reads it: every decode step copies every cached token of every sequence. Here attention walks the block
+table instead and reads each block in place (a slice of the pool is a view, not a copy). Blocks that happen to be
+neighbours in the pool are read as one *run* (one view, one matmul): the blocks of a prompt are allocated
+together and usually are.
+
+The softmax over all S positions is computed one run at a time with an **online softmax** (Milakov & Gimelshein
+2018; FlashAttention, flash-decoding): each run gives its own maximum ``m``, sum ``l`` of ``exp(score - m)`` and
+weighted sum ``acc`` of its values; two such partial results are merged by rescaling both to the larger maximum,
+``exp(m_old - m_new)``. After the last run ``acc / l`` is exactly softmax(scores) @ V, up to float32 rounding, and
+no [H, S] score array of the whole sequence, and no copy of its K/V, is ever made.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CacheCapacityError
+from ..ch4_paged.paged_kv_store import PagedKVStore
+
+
+def contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
+    """The pool slots ``slots`` [S] (position order) as maximal runs of consecutive slots: [(first, end), ...]."""
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1  # positions where the next slot is not the one after
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(slots)]])
+    return [(int(slots[a]), int(slots[b - 1]) + 1) for a, b in zip(starts, ends)]
+
+
+def paged_decode_attention(q, pool, runs):  # q [H, 1, D] scaled; pool [slots, 2, H, D]; runs [(first, end)]
+    """One query against the K/V held in ``pool[first:end]`` for every run, in position order: [H, 1, D]."""
+    for i, (first, end) in enumerate(runs):
+        kv = pool[first:end]  # [n, 2, H, D]: a view of the pool, nothing copied
+        s = q @ kv[:, 0].transpose(1, 2, 0)  # [H, 1, n] scores of this run's keys
+        m_run = s.max(axis=-1, keepdims=True)  # [H, 1, 1] the run's own maximum
+        p = np.exp(s - m_run)  # [H, 1, n]
+        l_run, acc_run = p.sum(axis=-1, keepdims=True), p @ kv[:, 1].transpose(1, 0, 2)  # [H, 1, 1], [H, 1, D]
+        if i == 0:
+            m, l, acc = m_run, l_run, acc_run
+            continue
+        m_new = np.maximum(m, m_run)  # the maximum so far; rescale both sides to it
+        old, new = np.exp(m - m_new), np.exp(m_run - m_new)  # [H, 1, 1] each, <= 1
+        m, l, acc = m_new, l * old + l_run * new, acc * old + acc_run * new
+    return acc / l  # [H, 1, D]: softmax(all scores) @ all values
+
+
+class PagedAttentionKVStore(PagedKVStore):
+    """Chapter 4's paged store whose decode attention reads the blocks in place (``paged_decode_attention``).
+
+    Prefill chunks still go through ``update`` (scatter the chunk, gather the history for the causal attention);
+    a decoding token is scattered into its slot and attended to without a gather.
+    """
+
+    def __init__(self, config, num_blocks: int, block_size: int = 16, dtype=np.float32):
+        super().__init__(config, num_blocks, block_size, dtype)
+        self.runs: dict[object, tuple[int, list]] = {}  # seq_id -> (num_tokens, its runs), reused by every layer
+
+    def attend_decode(self, seq_id, layer: int, start: int, q, k, v):
+        slots = self.slots[seq_id]
+        if not 0 <= start < len(slots):
+            raise CacheCapacityError(f"sequence {seq_id!r}: position {start} is outside its {len(slots)} reserved "
+                                     f"slots (call ensure first)")
+        pool = self.kv[layer]  # [slots, 2, H, D]
+        pool[slots[start], 0] = k[:, 0]  # [H, D]: the new token's K and V into its slot, nothing gathered
+        pool[slots[start], 1] = v[:, 0]
+        self.written[seq_id] = max(self.written[seq_id], start + 1)
+        if self.runs.get(seq_id, (None,))[0] != start + 1:  # a new length: layer 0 of this step finds the runs
+            self.runs[seq_id] = (start + 1, contiguous_runs(slots[:start + 1]))
+        return paged_decode_attention(q, pool, self.runs[seq_id][1])
+
+    def _refresh_slots(self, seq_id) -> None:
+        super()._refresh_slots(seq_id)
+        self.runs.pop(seq_id, None)  # the block table changed: its runs too
+
+    def free(self, seq_id) -> None:
+        super().free(seq_id)
+        self.runs.pop(seq_id, None)

@@ -1,0 +1,3 @@
+"""Chapter 8, parallelism: worker processes sharing memory (``process_group``), tensor parallelism
+(``tensor_parallel``), a pipeline of stages (``pipeline_parallel``), and replicas of chapter 7's server behind a
+router (``routing``: the policies, plain Python; ``http_router``: ``python -m gpt2_core route``)."""
