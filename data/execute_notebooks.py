@@ -1,0 +1,102 @@
+"""Execute the chapter notebooks for commit: full size, alone on a quiet machine, with the execution recorded.
+
+    .venv/bin/python data/execute_notebooks.py                       # every chapter notebook and the appendix
+    .venv/bin/python data/execute_notebooks.py notebooks/03_batching.ipynb
+
+What a learner reads in a committed notebook must be a measurement they can trust, so this script refuses to run
+when the machine is busy (1-minute load at or above ``--max-load``, 0.5 by default) or in quick mode
+(``GPT2_QUICK``), and writes into each notebook's ``metadata["gpt2_core"]`` how it was made:
+
+* ``quick`` (always false here), ``load_1min_start`` (the load when its execution started), ``executed`` (UTC),
+  ``commit`` (the checkout's HEAD, ``+dirty`` when the tree had changes), ``duration_s``;
+* ``bytes_per_s`` and ``gemm_flops_per_s``: the machine's two limits measured just before (chapter 2's GEMV
+  bandwidth on the LM head's shape and chapter 3's GEMM rate on GPT-2 124M's matrices at 256 rows, medians of 3
+  readings). The load alone does not show a slow host: the same machine streamed 20.7 GB/s one hour and 42.9 GB/s
+  the day before, both at load near 0. Compare them with the earlier executions' before committing.
+
+``tests/test_notebook_metadata.py`` fails when a committed chapter notebook says quick, has no record, or started
+at load 1 or more. CI executes the same notebooks in quick mode and compares only the outputs that do not depend on
+the machine (nbval); the metadata is not compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+
+
+def chapter_notebooks() -> list[Path]:
+    return sorted([*NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"), *NOTEBOOKS.glob("A[0-9]_*.ipynb")])
+
+
+def load_1min() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def commit() -> str:
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
+def machine_limits(readings: int = 3) -> dict:
+    """The bandwidth and GEMM rate of this machine now (medians of ``readings``), as the capstone measures them."""
+    from gpt2_core import random_model
+    from gpt2_core.bench.capstone import measure_limits, median_limits
+
+    model = random_model("gpt2", seed=0)
+    return median_limits([measure_limits(model) for _ in range(readings)])
+
+
+def execute(path: Path, load: float, limits: dict) -> dict:
+    """Run ``path`` top to bottom at full size and store its outputs and the record of the execution."""
+    import nbformat
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    nb = nbformat.read(path, as_version=4)
+    t0 = time.perf_counter()
+    ExecutePreprocessor(timeout=None, kernel_name="python3").preprocess(nb, {"metadata": {"path": str(NOTEBOOKS)}})
+    record = {"quick": False, "load_1min_start": load,
+              "executed": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "commit": commit(), "duration_s": round(time.perf_counter() - t0, 1),
+              "bytes_per_s": round(limits["bytes_per_s"]), "gemm_flops_per_s": round(limits["gemm_flops_per_s"]),
+              "command": f"python data/execute_notebooks.py notebooks/{path.name}"}
+    nb.metadata["gpt2_core"] = record
+    nbformat.write(nb, path)
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: every chapter notebook and the appendix")
+    parser.add_argument("--max-load", type=float, default=0.5, help="refuse to start a notebook at this load or more")
+    args = parser.parse_args(argv)
+    if os.environ.get("GPT2_QUICK", "") not in ("", "0"):
+        raise SystemExit("GPT2_QUICK is set: committed notebooks are full-size executions (unset it)")
+    paths = [p.resolve() for p in args.notebooks] or chapter_notebooks()
+    for path in paths:
+        load = load_1min()  # before the limits are measured, which load the cores themselves for a few seconds
+        if load >= args.max_load:
+            raise SystemExit(f"{path.name}: the 1-minute load is {load} (>= {args.max_load}): the machine is not "
+                             f"quiet; stop what else runs and try again")
+        limits = machine_limits()
+        print(f"{path.name}: load {load}, {limits['bytes_per_s'] / 1e9:.1f} GB/s, "
+              f"{limits['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ...", file=sys.stderr, flush=True)
+        record = execute(path, load, limits)
+        print(f"{path.name}: {json.dumps(record)}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
