@@ -35,11 +35,20 @@ NOTEBOOKS = ROOT / "notebooks"
 
 
 def chapter_notebooks() -> list[Path]:
-    return sorted([*NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"), *NOTEBOOKS.glob("A[0-9]_*.ipynb")])
+    return sorted([*NOTEBOOKS.glob("[0-9][0-9]*_*.ipynb"), *NOTEBOOKS.glob("A[0-9]_*.ipynb")])
 
 
 def load_1min() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+def wait_for_quiet(max_load: float, patience_s: float) -> float:
+    """The 1-minute load once it is below ``max_load``, polling for up to ``patience_s`` (a notebook that just ran
+    leaves the load near 2, which takes a minute or two to decay); the load last read if it never got there."""
+    deadline = time.monotonic() + patience_s
+    while (load := load_1min()) >= max_load and time.monotonic() < deadline:
+        time.sleep(10)
+    return load
 
 
 def commit() -> str:
@@ -81,12 +90,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: every chapter notebook and the appendix")
     parser.add_argument("--max-load", type=float, default=0.5, help="refuse to start a notebook at this load or more")
+    parser.add_argument("--patience", type=float, default=300.0,
+                        help="seconds to wait for the load to fall below --max-load before refusing (default 300)")
     args = parser.parse_args(argv)
     if os.environ.get("GPT2_QUICK", "") not in ("", "0"):
         raise SystemExit("GPT2_QUICK is set: committed notebooks are full-size executions (unset it)")
     paths = [p.resolve() for p in args.notebooks] or chapter_notebooks()
     for path in paths:
-        load = load_1min()  # before the limits are measured, which load the cores themselves for a few seconds
+        load = wait_for_quiet(args.max_load, args.patience)  # before the limits are measured, which load the cores themselves for a few seconds
         if load >= args.max_load:
             raise SystemExit(f"{path.name}: the 1-minute load is {load} (>= {args.max_load}): the machine is not "
                              f"quiet; stop what else runs and try again")
