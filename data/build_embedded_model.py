@@ -342,6 +342,15 @@ def main(argv=None):
     # steps is re-estimated every 25 steps from the recent speed, so that warmup + cosine decay end
     # when the wall-clock budget does, even on a shared machine whose speed changes during the run.
     budget = args.minutes * 60.0
+
+    def time_left(step, total, elapsed):
+        """The training loop's time left: the steps left at the mean speed so far, or (before the step count is
+        known) what is left of the budget; the final evaluation adds about 3% of the budget."""
+        left = elapsed / step * (total - step) if total is not None else budget - elapsed
+        if not fixed:
+            left = min(left, max(0.0, budget - elapsed))
+        return f"about {left / 60:.0f} min left in the training loop" if left >= 60 else "under a minute left"
+
     t_loop = time.time()
     fixed = args.steps is not None
     total_steps = args.steps if fixed else None
@@ -379,7 +388,7 @@ def main(argv=None):
             total_steps = new_total
         if step % 50 == 0:
             log(f"step {step}/{total_steps} loss {np.mean(losses[-50:]):.4f} lr {lr:.2e} "
-                f"{elapsed / 60:.1f} min, {step * B * T / elapsed:.0f} tok/s")
+                f"{elapsed / 60:.1f} min, {step * B * T / elapsed:.0f} tok/s, {time_left(step, total_steps, elapsed)}")
         if elapsed >= next_eval_time and (total_steps is None or step < total_steps):
             vl = evaluate(val_t, n_windows=64)
             history.append({"step": step, "tokens": step * B * T, "minutes": elapsed / 60, "lr": lr,

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from .common import QUICK, blas_info, interleaved, median_time
+from . import progress
 from .kv_cache import gemv_bandwidth, hf_reference_model, step_weights, weight_bytes_per_token
 from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..ch02_kv_cache.kv_cache import generate_stream
@@ -245,12 +246,12 @@ def tiled_speedup(model: GPT2Model, batches=(2, 4, 8, 16, 32, 64), context: int 
 # The benchmark
 
 
-def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> list[dict]:
+def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9, units: float = 0.0) -> list[dict]:
     """All the matrix-matrix products of one step at each row count, as ``FastWeight``'s GEMM path runs them
     (``gemm_rows``: padded with zero rows where that is faster) and unpadded, interleaved round by round.
     -> one record per row count: rows, rows BLAS gets, the median seconds of each, and the median of the rounds'
     ratios (unpadded time / padded time; where ``gemm_rows`` leaves the rows alone both run the same products,
-    so those ratios show the noise)."""
+    so those ratios show the noise). ``units``: this part's share of a benchmark's progress."""
     rng = np.random.default_rng(4)
     weights = step_weights(model)
 
@@ -270,14 +271,18 @@ def gemm_row_padding(model: GPT2Model, rows=range(5, 18), rounds: int = 9) -> li
                         "unpadded_seconds": float(np.median(times["unpadded"])),
                         "padded_seconds": float(np.median(times["padded"])),
                         "speedup": float(np.median([u / q for u, q in zip(times["unpadded"], times["padded"])]))})
+        progress.advance(units / len(rows))
     return records
 
 
 def bench_padding(quick: bool = QUICK) -> dict:
     """``gemm_row_padding`` on its own, with more rounds than the batching benchmark can spend on it: is padding
     5-7 leftover rows to a multiple of 8 faster, beyond the noise of the row counts it leaves alone?"""
+    progress.plan(100, "building the model")
     model = accelerate(random_model("gpt2", seed=0))
-    records = gemm_row_padding(model, rows=range(12, 18) if quick else range(5, 34), rounds=3 if quick else 15)
+    progress.advance(5, "the GEMMs of a step, rows padded and not, row count by row count")
+    records = gemm_row_padding(model, rows=range(12, 18) if quick else range(5, 34), rounds=3 if quick else 15,
+                               units=95)
     results = [{"method": method, "batch": r["rows"], "gemm_rows": r["gemm_rows"], "seconds": r[f"{method}_seconds"],
                 "tokens_per_s": r["rows"] / r[f"{method}_seconds"]}
                for r in records for method in ("unpadded", "padded")]
@@ -318,6 +323,8 @@ def record(method: str, batch, summary: dict, utilisation: float | None, **extra
 
 def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int = 32,
                    sweep=None, context: int | None = None) -> dict:
+    hf_units = progress.if_installed(90, "torch", "transformers")  # units: rough seconds of a full run
+    progress.plan(330 + hf_units, "building the model")
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapters 2-3's code
     threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
     if trace is not None:
@@ -327,23 +334,29 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
         requests = quick_workload() if quick else wl.standard_workload()
         name = "quick_workload()" if quick else "standard_workload(num_requests=48, seed=0, request_rate=4.0)"
     max_len = min(model.config.n_positions, max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests))
+    progress.advance(5, "warming up")
     results = []
 
     warm_up(model)
+    progress.advance(5, "continuous batching (first run)")
     # Continuous runs twice, before and after the two slow strategies (A-B-C-A): the machine drifts over the
     # minutes this takes, and the mean of the bracketing runs compares with sequential and static fairly.
     first, engine = run_continuous(model, requests, max_num_seqs=max_batch, max_len=max_len)
+    progress.advance(20, "one request at a time")
 
     outs = replay_sequential(model, requests)
+    progress.advance(60, "static batches")
     seq = wl.summarize(outs)
     results.append(record("sequential", 1, seq, utilisation_from_steps(sequential_intervals(outs), max_batch)))
 
     outs, batches = replay_static(model, requests, batch_size=max_batch)
+    progress.advance(45, "continuous batching (second run)")
     static = wl.summarize(outs)
     results.append(record("static", max_batch, static, utilisation_from_steps(static_intervals(batches), max_batch),
                           num_batches=len(batches)))
 
     second, _ = run_continuous(model, requests, max_num_seqs=max_batch, max_len=max_len)
+    progress.advance(20, "HF transformers, static batches" if hf_units else None)
     runs = [wl.summarize(first), wl.summarize(second)]
     cont = {**runs[0], "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in runs]))}  # latencies: run 1
     stats = engine.step_stats
@@ -355,6 +368,7 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
                                                                      "p50_itl_s")} for r in runs]))
 
     hf = replay_hf(model, requests, max_batch, threads)
+    progress.advance(hf_units, "decode steps beside the GEMM bound")
     hf_summary = None
     if hf is not None:
         hf_outs, hf_batches = hf
@@ -376,11 +390,16 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
                              "fraction_of_gemm_bound": float(np.median(fractions)),
                              "fraction_of_gemm_bound_per_pair": fractions})
         results.append({"method": "gemm_bound", "batch": b, **bound})
+        progress.advance(60 * b / sum(sweep))
+    progress.advance(0, "the step with and without tiles")
     tiled = tiled_speedup(model, batches=(2, 8) if quick else (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
                           context=context, rounds=3 if quick else 7)
+    progress.advance(60, "one GEMV per row against GEMM")
     small_batch = small_batch_gemv_speedup(model, batches=(2, 4) if quick else (2, 3, 4, 5, 6, 8),
                                            context=context, rounds=3 if quick else 7)
-    padding = gemm_row_padding(model, rows=(7, 8) if quick else range(5, 34), rounds=3 if quick else 9)
+    progress.advance(20, "GEMM rows padded and not")
+    padding = gemm_row_padding(model, rows=(7, 8) if quick else range(5, 34), rounds=3 if quick else 9, units=30)
+    progress.advance(0, "the bandwidth bound")
     bandwidth = gemv_bandwidth()
     bw_bound = bandwidth / weight_bytes_per_token(model)
     at = {d["batch"]: d for d in decode_sweep}

@@ -55,6 +55,7 @@ from ..ch11_capstone.roofline import (count_work, forward_flops, request_passes,
 from ..ch03_batching.sequence import FinishReason, Request, SequenceMetrics
 from ..loading.weights import GPT2Model, random_model
 from . import workload as wl
+from . import progress
 from .batching import gemm_bound_tokens_per_s, replay_hf, warm_up
 from .common import GRADING, QUICK, blas_info, blas_threads, median_time
 from .kv_cache import gemv_bandwidth
@@ -456,21 +457,32 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     else:
         requests, name = wl.standard_workload(vocab_size=config.vocab_size), "standard_workload(48, seed=0, 4/s)"
     requests = [replace(r, stop_at_eos=False) for r in requests]  # eos ignored: every engine makes every token
+    optional = progress.if_installed(8, "numba") + (progress.if_installed(15, "torch", "transformers")
+                                                    if include_optional else 0)
+    progress.plan(80 + optional, "warming up; the machine's GEMM rate and bandwidth")  # units: rough shares
     warm_up(model)
     readings = [measure_limits(model)]
     rows, skipped = [], []
+    progress.advance(5, "naive: the whole sequence recomputed each token")
     rows.append(naive_row(model, requests, 4 if quick else NAIVE_STRIDE, base)[0])
+    progress.advance(20, "KV cache, one request at a time")
     rows.append(kv_cache_row(model, requests, base)[0])
-    for method in ("static", "continuous", "paged", "prefix_cached"):
+    progress.advance(10, "static batches")
+    for method, units in (("static", 10), ("continuous", 3), ("paged", 3), ("prefix_cached", 4)):
         rows.append(batched_row(model, method, requests, weights=base)[0])
+        progress.advance(units, f"the batched engines: {method} done")
+    progress.advance(0, "int8 weights")
     readings.append(measure_limits(model))
     paged = next(r for r in rows if r["method"] == "paged")
     rows.append(quant_row(config, "numpy", requests)[0] if quick else composed_quant_row(config, paged, requests))
+    progress.advance(5, "int8 with the numba kernel" if optional else None)
     got, _, note = numba_row(config, requests, threads)
+    progress.advance(progress.if_installed(8, "numba"), "the span from naive to the final engine, by length")
     (rows.append(got) if got is not None else skipped.append({"method": f"{QUANT_FORMAT}_numba", "reason": note}))
     points = sweep_points or ([(16, 16), (32, 32), (64, 64)] if quick else
                               [(32, 32), (64, 64), (128, 128), (256, 256), (512, 512)])
     span_sweep = sweep(model, points, 4 if quick else 8, 4 if quick else 8)
+    progress.advance(15, "HF transformers" if include_optional else None)
     readings.append(measure_limits(model))
     if include_optional:
         got, note = hf_row(model, requests, threads, base, arrivals=quick)

@@ -20,6 +20,7 @@ from ..errors import is_integer
 from ..ch01_forward.generation import next_token_logits
 from ..loading.weights import GPT2Model, random_model
 from .common import GRADING, QUICK, blas_info, interleaved, median_time
+from . import progress
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -348,6 +349,8 @@ def profile_decode_in_step(model: GPT2Model, position: int, steps: int = 24) -> 
 
 
 def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
+    hf_units = progress.if_installed(35, "torch", "transformers")
+    progress.plan(65 + hf_units, "building the model")  # units: rough shares of a full run
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapter 2's code
     threads = threads or (int(blas_info()[0]["num_threads"]) if blas_info() else (os.cpu_count() or 1))
     prompt_len = 16
@@ -357,10 +360,12 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     results = []
     rng = np.random.default_rng(0)
     # naive: one step at position n is a full forward over n tokens
+    progress.advance(2, "naive forward at each position")
     naive = {}
     for n in positions:
         seq = rng.integers(0, model.config.vocab_size, size=n)
         naive[n] = median_time(lambda: next_token_logits(model, seq), repeats=repeats)
+    progress.advance(8, "KV-cache decode steps")
     # KV cache: decode steps over the same range of positions, repeated
     runs = [decode_step_times(model, prompt_len, new_tokens) for _ in range(repeats)]
     step = np.median(np.array(runs), axis=0)  # [new_tokens] median over runs, step i is at position 16 + i
@@ -377,11 +382,13 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     results.append({"method": "naive", "batch": 1, "position": "all", "prompt_len": prompt_len,
                     "new_tokens": new_tokens, "tokens_per_s": new_tokens / naive_total,
                     "note": "from the per-position medians above, interpolated"})
+    progress.advance(25, "HF transformers decode steps" if hf_units else None)
     hf = [hf_decode_step_times(model, prompt_len, new_tokens, threads) for _ in range(repeats)]
     hf_tps = None if hf[0] is None else 1 / float(np.median(np.array(hf)))
     if hf_tps is not None:
         results.append({"method": "hf_transformers", "batch": 1, "position": "all", "prompt_len": prompt_len,
                         "new_tokens": new_tokens, "tokens_per_s": hf_tps, "threads": threads})
+    progress.advance(hf_units, "decode beside the bandwidth bound, in pairs")
     pairs = decode_beside_bandwidth(model, pairs=5 if quick else 15)  # decode and ceilings, side by side
     bound_tps = float(np.median([p.bound for p in pairs]))
     results.append({"method": "bandwidth_bound", "batch": 1, "tokens_per_s": bound_tps,
@@ -391,6 +398,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
                                "gemv_chain_tokens_per_s": p.chain} for p in pairs]})
     results.append({"method": "gemv_chain", "batch": 1, "tokens_per_s": float(np.median([p.chain for p in pairs])),
                     "note": "one decode step's 49 GEMVs back to back, nothing else; measured in the pairs above"})
+    progress.advance(15, "prefill, then where a decode step's time goes")
     prefill_len = 128 if quick else 512
     prompt = rng.integers(0, model.config.vocab_size, size=prefill_len)
     t_prefill = median_time(lambda: kv_cache.prefill(model, prompt, last_only=True), repeats=repeats)
@@ -398,7 +406,9 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
                     "tokens_per_s": prefill_len / t_prefill, "seconds": t_prefill})
     profile = profile_decode_step(model, positions[-1] // 2)
     profile_in_step = profile_decode_in_step(model, positions[-1] // 2)
+    progress.advance(8, "GEMV bandwidth by matrix kind")
     by_kind = [gemv_chain_by_kind(model) for _ in range(3 if quick else 9)]  # bytes/s per round
+    progress.advance(5, "the bound's GEMV read cold and warm")
     cache_effect = gemv_cache_effect(rounds=3 if quick else 7)  # the bound's GEMV read cold vs warm
     ratios = {
         "kv_cache_over_naive_at_last_position": naive[positions[-1]] / cached[positions[-1]],

@@ -10,6 +10,7 @@ from ..a1_cpu_kernels import accelerate
 from ..loading.weights import random_model
 from .batching import decode_step_runner
 from .common import QUICK, interleaved, median_time
+from . import progress
 
 
 def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Config = "gpt2") -> dict:
@@ -39,8 +40,11 @@ def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Confi
     def speed_ratio(times) -> float:  # column-major speed over row-major, from the medians
         return float(np.median(times["row_major"])) / float(np.median(times["column_major_projections"]))
 
+    batches, prompt_lens = ([1, 4, 32], [16, 64]) if quick else ([1, 2, 4, 8, 16, 32], [16, 64, 256, 512])
+    cost = {**{("decode", b): 1 + b / 8 for b in batches}, **{("prefill", n): n / 64 for n in prompt_lens}}
+    progress.plan(sum(cost.values()), "decode steps")  # units: roughly a step's time
     results, ratios = [], {}
-    for batch in ([1, 4, 32] if quick else [1, 2, 4, 8, 16, 32]):
+    for batch in batches:
         times = side_by_side({name: batch_one(m) if batch == 1  # untiled: tiles are the same in either order
                               else decode_step_runner(m, batch, context) for name, m in models.items()})
         for name, t in times.items():
@@ -48,7 +52,8 @@ def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Confi
             results.append({"method": name, "batch": batch, "context": context, "seconds_per_step": seconds,
                             "tokens_per_s": batch / seconds})
         ratios[f"column_major_speed_over_row_major_batch_{batch}"] = speed_ratio(times)
-    for prompt_len in ([16, 64] if quick else [16, 64, 256, 512]):
+        progress.advance(cost[("decode", batch)], f"decode steps (batch {batch} done)")
+    for prompt_len in prompt_lens:
         ids = np.arange(prompt_len) % base.config.vocab_size
         times = side_by_side({name: (lambda m=m: kv_cache.prefill(m, ids, last_only=True))
                               for name, m in models.items()})
@@ -57,6 +62,7 @@ def bench_layout(quick: bool = QUICK, context: int = 128, shape: str | GPT2Confi
             results.append({"method": name, "phase": "prefill", "batch": 1, "prompt_len": prompt_len,
                             "seconds": seconds, "tokens_per_s": prompt_len / seconds})
         ratios[f"column_major_speed_over_row_major_prefill_{prompt_len}"] = speed_ratio(times)
+        progress.advance(cost[("prefill", prompt_len)], f"prefill ({prompt_len} tokens done)")
     model_name = "random GPT-2 124M shape, float32" if shape == "gpt2" else f"random {shape} shape, float32"
     return {"benchmark": "layout", "model": model_name, "quick": quick, "kernels": "cpu_kernels.accelerate",
             "results": results, "ratios": ratios}

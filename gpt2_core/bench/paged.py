@@ -28,6 +28,7 @@ from ..loading.config import GPT2Config
 from ..ch03_batching.engine import LLMEngine
 from ..ch02_kv_cache.kv_cache import kv_cache_bytes
 from ..ch03_batching.kv_store import ContiguousKVStore, KVStore
+from . import progress
 from .common import QUICK
 from ..ch04_paged.paged_kv_store import PagedKVStore
 from ..ch03_batching.sequence import Request
@@ -128,6 +129,7 @@ def block_size_sweep(requests: list[Request], config: GPT2Config, budget_tokens:
 
 
 def bench_paged(quick: bool = QUICK, trace: str | None = None) -> dict:
+    progress.plan(100, "building the model")  # units: rough shares of a full run
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapters 3-4's code
     cfg = model.config
     if trace is not None:
@@ -141,6 +143,7 @@ def bench_paged(quick: bool = QUICK, trace: str | None = None) -> dict:
     slots = [2, 4] if quick else [2, 4, 8, 16]  # budgets, in chapter 3 slots of slot_len tokens
     equal_slots = 4 if quick else 8
     results = []
+    progress.advance(4, f"the workload in contiguous slots and in blocks, at {len(slots)} budgets")
 
     def tag(record, experiment, **extra):
         record.update(experiment=experiment, **extra)
@@ -157,17 +160,21 @@ def bench_paged(quick: bool = QUICK, trace: str | None = None) -> dict:
             if "series" in r:
                 series[r["method"]] = r.pop("series")
             tag(r, "equal_budget" if n == equal_slots else "budget_sweep", budget_slots=n)
+        progress.advance(60 / len(slots))
     # equal batch: same max_num_seqs, a budget where the paged store never preempts: the same schedule
     eq_requests = requests[: max(4, len(requests) // 2)]
     repeats = 2 if quick else 3
     pair = {"contiguous": [], "paged": []}
+    progress.advance(0, "contiguous and paged at an equal batch, taking turns")
     for _ in range(repeats):  # interleaved, so that a change in the machine's load hits both
         budget = equal_slots * slot_bytes
         pair["contiguous"].append(run(model, contiguous_store(cfg, budget, slot_len), eq_requests, equal_slots))
         pair["paged"].append(run(model, PagedKVStore.from_budget(cfg, budget, 16), eq_requests, equal_slots))
+        progress.advance(30 / repeats)
     for method, runs in pair.items():
         best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]  # the median run
         tag(dict(best), "equal_batch", repeats=repeats, tokens_per_s_runs=[r["tokens_per_s"] for r in runs])
+    progress.advance(0, "block sizes against fragmentation")
     # block size: fragmentation measured in the engine, at the equal-budget point
     sweep = block_size_sweep(requests, cfg, budget_tokens=equal_slots * slot_len)
 

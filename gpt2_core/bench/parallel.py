@@ -26,6 +26,7 @@ from ..loading.config import preset
 from ..ch08_parallel.pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble
 from ..ch08_parallel.tensor_parallel import BatchKVCache, TensorParallelModel, no_communication, shard_forward
 from ..loading.weights import random_model
+from . import progress
 from .common import QUICK, blas_threads, interleaved
 from .router import missing_extra, router_records
 
@@ -129,13 +130,18 @@ def bench_parallel(quick: bool = QUICK) -> dict:
     if quick:
         config = replace(config, n_layer=4)  # GPT-2 124M's widths and vocabulary, 4 layers instead of 12
     prompt_len, steps, rounds, bubble_batch = (8, 4, 2, 8) if quick else (16, 8, 3, 16)
+    router_units = 0 if missing_extra() else 65  # units: rough shares of a full run
+    progress.plan(35 + router_units, "starting the workers")
     model = random_model(config, seed=0)
     tp = TensorParallelModel(model, max_rows=max(BATCHES) * prompt_len, max_logit_rows=max(BATCHES))
     try:
         pp = PipelineModel(model, max_batch=max(BATCHES), max_tokens=prompt_len + steps + 1, max_micro_batches=8)
         try:
+            progress.advance(3, "decode: one process, tensor parallel, pipeline, taking turns")
             results = [r for b in BATCHES for r in decode_records(model, tp, pp, b, prompt_len, steps, rounds)]
+            progress.advance(25, "the pipeline's bubble")
             bubble = bubble_records(model, pp, bubble_batch, prompt_len, rounds)
+            progress.advance(5, "one all-reduce alone")
             all_reduce = all_reduce_records(tp, 200 if quick else 1000)
         finally:
             pp.close()
@@ -145,7 +151,9 @@ def bench_parallel(quick: bool = QUICK) -> dict:
     ratios = {f"{m}_vs_single_1thread_batch{b}": by[(m, b)] / by[("single_1thread", b)]
               for b in BATCHES for m in ("single_2threads", "tp2", "pp2")}
     skipped = missing_extra()
-    router = {"router": {"skipped": skipped}, "targets_met": {}} if skipped else router_records(quick, model)
+    progress.advance(2, None if skipped else "replicas behind the router")
+    router = ({"router": {"skipped": skipped}, "targets_met": {}} if skipped else
+              router_records(quick, model, router_units))
     results += router.pop("results", [])
     ratios.update(router.pop("ratios", {}))
     router["targets_met"] = {"tp2_vs_single_1thread_batch32 >= 1.5": ratios["tp2_vs_single_1thread_batch32"] >= 1.5,

@@ -41,6 +41,7 @@ from ..ch04_paged.paged_kv_store import PagedKVStore
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
 from ..ch03_batching.sequence import Request
 from ..loading.weights import GPT2Model, random_model
+from . import progress
 from .common import QUICK, interleaved, median_time
 from .paged import fresh, narrow_model
 from .replay import replay
@@ -228,15 +229,19 @@ def bench_prefix(quick: bool = QUICK, trace: str | None = None) -> dict:
     num_blocks = max_num_seqs * blocks_needed(longest, BLOCK_SIZE)  # fits one step (chapter 3's rule); nothing
     methods = ("paged", "paged_attention", "prefix_cached")
     runs: dict = {m: [] for m in methods}
-    rounds = 1 if quick else 3
+    rounds, arrival_rounds, chunk_rounds = (1, 1, 1) if quick else (3, 2, 2)  # units: rough shares of a run
+    progress.plan(20 + 5 * 3 * rounds + 6 * 3 * arrival_rounds + 6 * 2 * chunk_rounds + 15, "warming up")
 
     def one_run(method, r):
         runs[method].append(serve(model, method, requests, num_blocks, max_num_seqs, budget))  # is preempted
+        progress.advance(5, f"offline throughput, {method} done")
         return runs[method][-1]["seconds"]
 
     for m in methods:  # warm-up, untimed: the kernels' first steps build what they keep (the appendix)
         serve(model, m, requests[:2], num_blocks, max_num_seqs, budget)
+    progress.advance(20, "offline throughput")
     interleaved({m: m for m in methods}, rounds, one_run)  # order reversed every other round
+    progress.advance(0, "time to first token with requests arriving")
     results = []
     for m in methods:
         best = sorted(runs[m], key=lambda x: x["tokens_per_s"])[len(runs[m]) // 2]  # the median run
@@ -248,8 +253,9 @@ def bench_prefix(quick: bool = QUICK, trace: str | None = None) -> dict:
     span = max(r.arrival_s for r in requests)
     time_scale = 1.0 if trace is not None or span == 0 else (len(requests) - 1) / span / (ARRIVAL_LOAD * capacity)
     on_arrivals: dict = {m: [] for m in methods}
-    interleaved({m: m for m in methods}, 1 if quick else 2, lambda m, r: on_arrivals[m].append(
-        serve(model, m, requests, num_blocks, max_num_seqs, budget, time_scale)))
+    interleaved({m: m for m in methods}, arrival_rounds, lambda m, r: (on_arrivals[m].append(
+        serve(model, m, requests, num_blocks, max_num_seqs, budget, time_scale)), progress.advance(6)))
+    progress.advance(0, "decodes while long prompts are prefilled, whole or in chunks")
     for record in results:
         got = on_arrivals[record["method"]]
         record.update(ttft_p50_offline_s=record["ttft_p50_s"], ttft_p99_offline_s=record["ttft_p99_s"],
@@ -263,9 +269,10 @@ def bench_prefix(quick: bool = QUICK, trace: str | None = None) -> dict:
     else:
         long_requests, chunk = long_prompt_workload(8, 96, 896, (8, 36, 64)), 256
     chunked = {"whole_prefill": [], "chunked_prefill": []}
-    interleaved({"whole_prefill": None, "chunked_prefill": chunk}, 1 if quick else 2,
-                lambda c, r: chunked["chunked_prefill" if c else "whole_prefill"].append(
-                    itl_during_long_prompts(model, long_requests, c)))
+    interleaved({"whole_prefill": None, "chunked_prefill": chunk}, chunk_rounds,
+                lambda c, r: (chunked["chunked_prefill" if c else "whole_prefill"].append(
+                    itl_during_long_prompts(model, long_requests, c)), progress.advance(6)))
+    progress.advance(0, "decode attention in place against the gather; forked samples' blocks")
     chunked_records = {}
     for name, rs in chunked.items():
         chunked_records[name] = dict(sorted(rs, key=lambda x: x["itl_p99_s"])[len(rs) // 2],

@@ -43,6 +43,7 @@ from ..ch06_quantization.quantization import bytes_per_token, greedy_agreement, 
 from ..ch03_batching.sequence import Request
 from ..loading.weights import GPT2Model, load_model, random_model
 from .batching import decode_step_runner
+from . import progress
 from .common import GRADING, QUICK, blas_info, blas_threads, median_time
 from .paged import fresh
 from .workload import poisson_workload, standard_workload, summarize
@@ -95,9 +96,9 @@ def numba_worker(conn, config, batches, context, repeats, threads) -> None:
             conn.send(measure_round(runners, r, repeats))
 
 
-def speed(quick: bool, threads: int | None, config=None) -> tuple[list[dict], dict]:
+def speed(quick: bool, threads: int | None, config=None, units: float = 0.0) -> tuple[list[dict], dict]:
     """Decode-step speed of every arm at every batch: (records, how it was measured). ``config``: another shape
-    than ``speed_shape(quick)`` (tests use a tiny one)."""
+    than ``speed_shape(quick)`` (tests use a tiny one). ``units``: this part's share of the progress."""
     config = speed_shape(quick) if config is None else config
     rounds, repeats = (2, 2) if quick else (9, 3)
     models = speed_models(config, [a for a in SPEED_ARMS if a[1] == "numpy"])
@@ -136,6 +137,7 @@ def speed(quick: bool, threads: int | None, config=None) -> tuple[list[dict], di
                 for name, seconds in got.items():
                     readings[name].append(seconds)
                 time.sleep(SETTLE_S)
+            progress.advance(units / rounds)
     finally:
         if worker is not None:
             if worker.is_alive():
@@ -237,14 +239,17 @@ def kv_memory(quick: bool) -> list[dict]:
 
 
 def bench_quant(quick: bool = QUICK, threads: int | None = None) -> dict:
+    progress.plan(100, "decode-step speed of each format and kernel, in rounds")  # units: rough shares of a run
     if threads is None and blas_info():
         threads = int(blas_info()[0]["num_threads"])
-    speed_records, method = speed(quick, threads)
+    speed_records, method = speed(quick, threads, units=70)
+    progress.advance(0, "quality: perplexity, greedy agreement, logits")
     config = speed_shape(quick)
     base = random_model(config, seed=0)
     random_models = {"fp32": base, **{f: quantize_model(base, f, GROUP_SIZE, embeddings=True)
                                       for f in ("fp16", "int8", "int4")}}
     q = quality(quick, random_models)
+    progress.advance(20, "KV memory: sequences at once in each KV format")
     del random_models, base
     kv = kv_memory(quick)
     results = speed_records + kv

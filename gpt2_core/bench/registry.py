@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
 
 from ..errors import InvalidInputError, is_writable_file
 from .batching import bench_batching, bench_padding
 from .capstone import bench_capstone
+from . import progress
 from .common import QUICK, blas_threads, machine_info
 from .kv_cache import bench_kv_cache
 from .layout import bench_layout
@@ -23,9 +25,30 @@ BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": be
               "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant,
               "parallel": bench_parallel, "serve": bench_serve, "capstone": bench_capstone}
 
+# How long each takes on this project's machine (2 cores, nothing else running), in minutes: (full size, --quick).
+# The README's table of benchmarks shows the same figures (tests/test_cli.py checks that they agree).
+MINUTES = {"kv-cache": (3, 1), "layout": (2, 1), "batching": (8, 2), "paged": (8, 1), "prefix": (12, 1),
+           "padding": (3, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (6, 1), "capstone": (10, 1)}
+
+
+def announce(name: str, quick: bool, stream=None) -> None:
+    """The first line of a run: how long it will take, how to make it shorter, and whether the machine is busy."""
+    full, small = MINUTES[name]
+    if quick:
+        text = f"bench {name} (quick sizes): about {small} min on 2 idle cores (full size: about {full} min)"
+    else:
+        text = (f"bench {name}: about {full} min on 2 idle cores; --quick (or GPT2_QUICK=1) runs small sizes in "
+                f"about {small} min")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load >= 1.0:
+        text += f"; load {load:.1f} now: other work slows this run and skews its timings"
+    print(text, file=stream or sys.stderr, flush=True)
+
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
-                  threads: int | None = None, base_url: str | None = None) -> dict:
+                  threads: int | None = None, base_url: str | None = None, progress_stream=None) -> dict:
+    """Run benchmark ``name`` as ``python -m gpt2_core bench`` does: its progress on ``progress_stream``
+    (stderr), its summary on stdout, its results in ``json_path``."""
     if name not in BENCHMARKS:
         raise InvalidInputError(f"unknown benchmark {name!r}; available: {', '.join(BENCHMARKS)}")
     if trace is not None and "trace" not in inspect.signature(BENCHMARKS[name]).parameters:
@@ -37,7 +60,8 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
         raise InvalidInputError(f"--json {json_path}: cannot write a file there (a folder, a missing folder, or no "
                                 f"permission); found now, not after minutes of benchmarking")
     quick = quick or QUICK
-    with blas_threads(threads):
+    announce(name, quick, progress_stream)
+    with blas_threads(threads), progress.running(name, progress_stream):
         kwargs = {"quick": quick}
         if trace is not None:
             kwargs["trace"] = trace
@@ -56,7 +80,8 @@ def _print_summary(out: dict) -> None:
     w = sys.stdout.write
     w(f"{out['benchmark']}  ({out['model']}; numpy {out['machine']['numpy']}, "
       f"BLAS {[(b['internal_api'], b['num_threads']) for b in out['machine']['blas']]}, "
-      f"load {out['machine']['load_average_1min']})\n")
+      f"load average {out['machine']['load_average_1min']} at the start: above 0.5, other work skews the "
+      f"timings)\n")
     if out["benchmark"] == "capstone":
         _print_capstone(out)
         return
@@ -73,7 +98,7 @@ def _print_summary(out: dict) -> None:
     for r in out.get("all_reduce", []):
         w(f"  one all-reduce of [{r['rows']}, E] between two workers: {1e6 * r['seconds']:.0f} us\n")
     for k, v in out.get("ratios", {}).items():
-        w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a\n")
+        w(f"  {k}: {v:.2f}\n" if v is not None else f"  {k}: n/a{why_missing(k)}\n")
     for k, v in out.get("targets_met", {}).items():
         w(f"  target {k}: {v}\n")
     if "profile_ms_per_step" in out:
@@ -114,3 +139,12 @@ def _print_capstone(out: dict) -> None:
           f"{p['naive_tokens_per_s']:6.2f} tok/s, span {p['span']:6.1f}x\n")
     for k, v in out["targets_met"].items():
         w(f"  target {k}: {v}\n")
+
+
+def why_missing(ratio: str) -> str:
+    """Why a ratio of the summary could not be measured, when an optional package explains it."""
+    if ratio.endswith("_over_hf"):
+        return " (needs HF transformers and torch: the reference extra)"
+    if "numba" in ratio:
+        return " (needs numba: the kernels extra)"
+    return ""

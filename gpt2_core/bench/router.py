@@ -41,6 +41,7 @@ import numpy as np
 from ..ch04_paged.block_manager import blocks_needed
 from ..ch05_sharing.prefix_cache import PrefixCachingBlockManager, block_hashes as cache_block_hashes
 from ..ch08_parallel.routing import block_hashes, make_policy
+from . import progress
 from .common import interleaved
 from .prefix import BLOCK_SIZE, shared_prefix_workload
 from .serve import Client, percentile
@@ -270,10 +271,11 @@ def missing_extra() -> str | None:
     return f"needs the serve extra (missing: {', '.join(missing)})" if missing else None
 
 
-def router_records(quick: bool, model=None) -> dict:
+def router_records(quick: bool, model=None, units: float = 0.0) -> dict:
     """Each scenario's three arms, taking turns over rounds (order reversed every other round), each reported by
     its median run by throughput; with ``quick``, the embedded model on small chats, else ``model`` (random weights
-    of GPT-2 124M's shape) written to a temporary folder for the servers to load."""
+    of GPT-2 124M's shape) written to a temporary folder for the servers to load. ``units``: this part's share of
+    the progress."""
     from ..loading.config import GPT2Config
     from ..loading.weights import EMBEDDED_MODEL_DIR
 
@@ -291,9 +293,10 @@ def router_records(quick: bool, model=None) -> dict:
             requests = chat_workload(scenario, config.vocab_size)
             blocks = {arm: kv_blocks(scenario, arm, config.n_positions, MAX_NUM_SEQS) for arm in ARMS}
             runs = {arm: [] for arm in ARMS}
-            interleaved({arm: arm for arm in ARMS}, rounds, lambda arm, r: runs[arm].append(run_arm(
+            interleaved({arm: arm for arm in ARMS}, rounds, lambda arm, r: (runs[arm].append(run_arm(
                 arm, server_args, requests, config.vocab_size, seed=r,
-                num_blocks=blocks[arm])))
+                num_blocks=blocks[arm])), progress.advance(units / (len(scenarios) * rounds * len(ARMS)),
+                                                          f"router: {name}, {arm} done")))
             for arm in ARMS:
                 median = sorted(runs[arm], key=lambda x: x["tokens_per_s"])[len(runs[arm]) // 2]
                 results.append(dict(median, scenario=name, rounds=rounds, **{

@@ -25,6 +25,7 @@ from importlib import resources
 import numpy as np
 
 from ..errors import InvalidInputError
+from . import progress
 
 URGENT_FRACTION = 0.25
 RATE_MULTIPLES = (0.5, 1.0, 1.5, 2.0)
@@ -185,7 +186,9 @@ async def run_load(base_url: str, model: str, quick: bool, num_seqs: int) -> dic
     client = Client(base_url, model, max_tokens)
     try:
         await asyncio.gather(*(client.complete(t, 1) for t in texts[:num_seqs]))  # warm-up: kernels, tiles, pools
+        progress.advance(10, "the server's capacity")
         cap = await capacity(client, texts, 2 * num_seqs, 2.0 if quick else 15.0)  # the queue never empties
+        progress.advance(15, f"Poisson arrivals at {RATE_MULTIPLES[0]}x capacity")
         await client.idle(60)
         rss_before = await client.metric("process_resident_memory_bytes")
         rates = []
@@ -193,6 +196,7 @@ async def run_load(base_url: str, model: str, quick: bool, num_seqs: int) -> dic
             summary, _ = await at_rate(client, texts, multiple * cap["requests_per_s"], duration_s, seed=1 + i,
                                        drain_s=30.0 if quick else 300.0)
             rates.append({"method": f"rate_{multiple}x", "rate_multiple": multiple, "batch": num_seqs, **summary})
+            progress.advance(70, f"Poisson arrivals at {multiple}x capacity done")
             await client.idle(60)
         rss_after = await client.metric("process_resident_memory_bytes")
     finally:
@@ -216,6 +220,7 @@ def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: 
     """The load benchmark (see the module's docstring); ``base_url`` to load a server already running."""
     if base_url is not None and not re.match(r"^https?://[^/]+(/.*)?$", base_url):
         raise InvalidInputError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
+    progress.plan(10 + 10 + 15 + 70 * len(RATE_MULTIPLES), "starting the server")  # units: rough seconds, full size
     server, args = None, ["--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs)]
     if base_url is None:
         from ..ch07_serving.launch import ServerProcess
@@ -226,6 +231,7 @@ def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: 
         import httpx
 
         models = httpx.get(base_url.rstrip("/") + "/models", timeout=30).json()["data"]
+        progress.advance(10, "warming up")
         model = models[0]["id"]
         out = asyncio.run(run_load(base_url, model, quick, max_num_seqs))
     finally:
