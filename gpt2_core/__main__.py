@@ -7,6 +7,7 @@ import argparse
 import os
 import secrets
 import sys
+import warnings
 
 from .ch08_parallel import routing
 from .errors import GPT2Error
@@ -20,6 +21,7 @@ def _generate(args) -> int:
     model = load_model(args.model)
     stream = _engine(args.engine)
     prompt_ids = model.tokenizer.encode(args.prompt)  # a model without a tokenizer says so here
+    check_fits(model, prompt_ids, args.max_new_tokens)
     check_generation(model, prompt_ids, args.max_new_tokens)  # bad input is reported before any output
     given = {n: getattr(args, n) for n in ("temperature", "top_k", "top_p") if getattr(args, n) is not None}
     sampling = {**model.sampling_defaults, **given}  # the model's generation_config.json, then the flags
@@ -28,7 +30,8 @@ def _generate(args) -> int:
     if sampling["temperature"] == 0:
         ignored = [f"--{n.replace('_', '-')}" for n in ("top_k", "top_p", "seed") if getattr(args, n) is not None]
         if ignored:
-            print(f"note: {', '.join(ignored)} only apply when sampling (--temperature > 0); decoding greedily",
+            verb = "applies" if len(ignored) == 1 else "apply"
+            print(f"note: {', '.join(ignored)} only {verb} when sampling (--temperature > 0); decoding greedily",
                   file=sys.stderr)
     elif seed is None:
         seed = secrets.randbelow(1_000_000)  # printed at the end, so that the run can be repeated
@@ -40,10 +43,26 @@ def _generate(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if sampling["temperature"] > 0 and args.seed is None:
+    if sampling["temperature"] > 0 and args.seed is None and args.max_new_tokens > 0:  # nothing sampled: no seed
         print(f"(sampled with seed {seed}: add --seed {seed} to repeat this text, --temperature 0 for greedy)",
               file=sys.stderr)
     return 0
+
+
+def check_fits(model, prompt_ids: list[int], max_new_tokens) -> None:
+    """A prompt and --max-new-tokens that overflow the context: the error says how many new tokens would fit."""
+    from .ch01_forward.generation import positions_needed
+    from .errors import InvalidInputError, is_integer
+
+    n_ctx = model.config.n_positions
+    if not (is_integer(max_new_tokens, 0) and 0 < len(prompt_ids) <= n_ctx):
+        return  # chapter 1's checks report these
+    needed = positions_needed(len(prompt_ids), max_new_tokens)
+    if needed > n_ctx:
+        fit = n_ctx - len(prompt_ids) + 1
+        raise InvalidInputError(f"prompt of {len(prompt_ids)} tokens + --max-new-tokens {max_new_tokens} needs "
+                                f"{needed} positions, more than the context n_ctx={n_ctx}: at most {fit} new tokens "
+                                f"fit after this prompt")
 
 
 def _engine(name: str):
@@ -96,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a continuation of a prompt")
     g.add_argument("prompt")
-    g.add_argument("--max-new-tokens", type=int, default=50)
+    g.add_argument("--max-new-tokens", type=int, default=50, help="tokens to generate after the prompt (default: 50)")
     g.add_argument("--model", default=None, help="directory, .safetensors/.bin file or hub name "
                                                  "(default: the embedded model, gpt2_core/data/embedded)")
     g.add_argument("--engine", choices=["naive", "kv"], default="kv",
@@ -188,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = one_line_warning  # a warning about the user's files reads like the errors: one line
     try:
         return args.func(args)
     except GPT2Error as e:
@@ -198,6 +218,10 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader of our output went away (e.g. `| head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=file or sys.stderr)
 
 
 if __name__ == "__main__":

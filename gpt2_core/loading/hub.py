@@ -77,7 +77,8 @@ def download(name: str, revision: str | None = None) -> Path:
         f"If you meant a local folder: {name!r} does not exist. To get the model another way, run on a machine "
         f"with internet access (pip install huggingface_hub):\n"
         f"    hf download {repo_id} config.json model.safetensors tokenizer.json --local-dir {folder}\n"
-        f"copy the {folder} folder here and load it with load_model(\"path/to/{folder}\")."
+        f"copy the {folder} folder here and pass its path: `--model path/to/{folder}` on the command line, "
+        f"load_model(\"path/to/{folder}\") in Python."
     )
 
 
