@@ -233,7 +233,7 @@ def test_the_cli_refuses_an_unwritable_json_path_and_a_misplaced_trace_before_an
         r = run_cli(*args)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = run_cli("generate", "Emma", "--max-new-tokens", "2", "--temperature", "0", "--seed", "3")  # greedy
-    assert r.returncode == 0 and "--seed only apply when sampling" in r.stderr
+    assert r.returncode == 0 and "note: --seed only applies when sampling" in r.stderr
 
 
 def test_loading_and_tokenising_bad_bytes_give_package_errors(tmp_path):

@@ -3,9 +3,11 @@
 import json
 import re
 import os
+import shlex
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -128,18 +130,106 @@ def test_bench_replays_a_trace_given_with_dash_dash_trace(tmp_path, name):
         assert str(trace) in data["workload"] and {"contiguous", "paged"} <= methods
 
 
-README_BENCH = re.compile(r"^python -m gpt2_core (bench [\w-]+ --json \S+)", re.M)
+README_TEXT = (ROOT / "README.md").read_text()
+README_BENCH = re.compile(r"^\.venv/bin/python -m gpt2_core (bench [\w-]+ --json \S+)", re.M)
 
 
-@pytest.mark.parametrize("command", README_BENCH.findall((ROOT / "README.md").read_text()))
+def readme_venv(folder) -> None:
+    """``folder/.venv``: the environment running these tests, where the README's commands expect the virtual
+    environment its first command made (``.venv/bin/python`` then runs this interpreter with its packages)."""
+    prefix = Path(sys.prefix)
+    if (prefix / "bin" / "python").exists():  # a venv or a conda environment: the same folder under another name
+        (folder / ".venv").symlink_to(prefix, target_is_directory=True)
+    else:
+        (folder / ".venv" / "bin").mkdir(parents=True)
+        (folder / ".venv" / "bin" / "python").symlink_to(sys.executable)
+
+
+def readme_commands(text: str = README_TEXT) -> list[str]:
+    """Every command of the README's shell blocks (continued lines joined, comments dropped), then every inline
+    code span of its prose that runs a program a newcomer could copy (python, pip, jupyter, pytest)."""
+    commands = []
+    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = re.split(r"\s#", line)[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    runs = re.compile(r"(?:\S*/)?(?:python[\d.]*|pip\d?|jupyter|pytest)\b")
+    commands += [span for span in re.findall(r"`([^`\n]+)`", prose) if runs.match(span) and " " in span]
+    return commands
+
+
+def wrong_interpreter(command: str) -> list[str]:
+    """The programs of ``command`` that are not the README's virtual environment's: a bare ``python``, ``pip``,
+    ``jupyter`` or ``pytest`` is whatever the shell finds first (often no package at all, or no such program);
+    ``python3`` is fine only to make that environment (``python3 -m venv``)."""
+    wrong = []
+    for part in re.split(r"&&|\|\||;|\|", command):
+        words = [w for w in part.split() if not re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", w)]  # VAR=value prefixes
+        if not words:
+            continue
+        program = words[0]
+        if re.fullmatch(r"(?:\S*/)?(?:python[\d.]*|pip\d?|jupyter|pytest)", program) and \
+                not program.startswith(".venv/bin/") and words[:3] != ["python3", "-m", "venv"]:
+            wrong.append(program)
+    return wrong
+
+
+def test_every_readme_command_runs_the_readme_environment():
+    """The README installs into ``.venv`` and says that every command uses it: no command of a shell block, and no
+    command quoted in its prose, runs another interpreter."""
+    commands = readme_commands()
+    assert sum("gpt2_core" in c for c in commands) >= 15  # the parser sees the README's commands
+    bad = {c: wrong_interpreter(c) for c in commands if wrong_interpreter(c)}
+    assert not bad, f"README commands that do not run .venv's programs: {bad}"
+
+
+def test_the_interpreter_check_sees_a_bare_python():
+    text = ("```bash\npython -m gpt2_core bench kv-cache --json kv.json   # chapter 2\n"
+            "python3 -m venv .venv && .venv/bin/pip install -e . \\\n    && pip install openai\n```\n"
+            "Then `python -m gpt2_core serve`, or `GPT2_QUICK=1 .venv/bin/python -m pytest`.\n")
+    commands = readme_commands(text)
+    assert commands == ["python -m gpt2_core bench kv-cache --json kv.json",
+                        "python3 -m venv .venv && .venv/bin/pip install -e . && pip install openai",
+                        "python -m gpt2_core serve", "GPT2_QUICK=1 .venv/bin/python -m pytest"]
+    assert [wrong_interpreter(c) for c in commands] == [["python"], ["pip"], ["python"], []]
+    assert wrong_interpreter("python3 -m pip wheel -w dist .") == ["python3"]
+
+
+def test_every_gpt2_core_command_of_the_readme_parses():
+    """Each ``.venv/bin/python -m gpt2_core ...`` of the README that is not a synopsis (no ``[optional]`` part) is
+    accepted by the command line's parser: a misspelt subcommand or flag fails here."""
+    from gpt2_core.__main__ import build_parser
+
+    checked = 0
+    for command in readme_commands():
+        for part in command.split("&&"):
+            words = shlex.split(part)
+            if words[:3] != [".venv/bin/python", "-m", "gpt2_core"] or any("[" in w for w in words):
+                continue
+            try:
+                build_parser().parse_args(words[3:])
+            except SystemExit:
+                pytest.fail(f"the command line refuses the README's {part.strip()!r}")
+            checked += 1
+    assert checked >= 15
+
+
+@pytest.mark.parametrize("command", README_BENCH.findall(README_TEXT))
 def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
-    """Each ``python -m gpt2_core bench NAME --json FILE`` line of the README, as typed (run in a scratch folder,
-    GPT2_QUICK=1 for small sizes): exit 0, and the JSON names the benchmark and holds timed records."""
-    args = command.split()
-    r = subprocess.run([sys.executable, "-m", "gpt2_core", *args], capture_output=True, text=True, timeout=900,
-                       cwd=tmp_path, env={**os.environ, "GPT2_QUICK": "1"})
+    """Each ``.venv/bin/python -m gpt2_core bench NAME --json FILE`` line of the README, as typed, by the shell, in a
+    folder whose ``.venv`` is this test's environment (GPT2_QUICK=1 for small sizes): exit 0, the JSON names the
+    benchmark and holds timed records, and stderr says how long it takes, then that it is done."""
+    readme_venv(tmp_path)
+    r = subprocess.run(["bash", "-c", f".venv/bin/python -m gpt2_core {command}"], capture_output=True, text=True,
+                       timeout=900, cwd=tmp_path, env={**os.environ, "GPT2_QUICK": "1"})
     assert r.returncode == 0, r.stderr
+    args = command.split()
+    assert re.match(rf"bench {args[1]} \(quick sizes\): about \d+ min on 2 idle cores", r.stderr), r.stderr
+    assert re.search(rf"^bench {args[1]}: done in ", r.stderr, re.M), r.stderr
     data = json.loads((tmp_path / args[-1]).read_text())
+
     assert data["benchmark"] == args[1] and data["quick"] is True
     if args[1] == "quant":  # chapter 6 compares kernels: each record names its own
         assert {(r["method"], r["kernel"]) for r in data["results"] if r["method"] in ("fp32", "int8")} >= \
@@ -195,3 +285,45 @@ def test_the_readme_shows_every_benchmark_the_command_line_knows():
     from gpt2_core.bench.registry import BENCHMARKS
 
     assert {c.split()[1] for c in README_BENCH.findall((ROOT / "README.md").read_text())} == set(BENCHMARKS)
+
+
+def test_the_readme_says_how_long_each_benchmark_takes_as_the_command_does():
+    """The README's table of minutes (full size, quick) is the one ``bench`` announces when it starts."""
+    from gpt2_core.bench.registry import MINUTES
+
+    table = re.search(r"<!-- bench-minutes -->\n((?:\|.*\n)+)", README_TEXT).group(1)
+    rows = re.findall(r"^\| `bench ([\w-]+)` \| about (\d+) min \| about (\d+) min \|$", table, re.M)
+    assert {name: (int(full), int(quick)) for name, full, quick in rows} == MINUTES
+
+
+def test_generate_wording_for_flags_ignored_and_nothing_sampled():
+    """One ignored flag "applies", two "apply"; with no new tokens there is no seed to report; the help shows
+    --max-new-tokens' default; a prompt and length over the context say how many new tokens would fit."""
+    r = run("generate", "Emma", "--max-new-tokens", "2", "--temperature", "0", "--top-k", "5", "--seed", "1")
+    assert r.returncode == 0 and "note: --top-k, --seed only apply when sampling" in r.stderr
+    r = run("generate", "Emma", "--max-new-tokens", "0")
+    assert r.returncode == 0 and r.stdout == "Emma\n" and r.stderr == ""
+    assert "(default: 50)" in " ".join(run("generate", "--help").stdout.split())
+    from gpt2_core import load_model
+
+    model = load_model()
+    prompt = " ".join(["Emma"] * 150)
+    n = len(model.tokenizer.encode(prompt))
+    assert n < model.config.n_positions  # a prompt that fits, with too many new tokens after it
+    fit = model.config.n_positions - n + 1
+    r = run("generate", prompt, "--max-new-tokens", str(fit + 1))
+    assert r.returncode == 2 and r.stdout == "" and f"at most {fit} new tokens fit after this prompt" in r.stderr
+    assert run("generate", prompt, "--max-new-tokens", str(fit), "--temperature", "0").returncode == 0
+
+
+def test_a_warning_is_one_line(tmp_path):
+    """A model folder whose eos id lies outside its vocabulary: the CLI shows the loader's warning as one
+    ``warning:`` line, not Python's file:line format with the source line."""
+    write_checkpoint(tmp_path, tiny_model())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["eos_token_id"] = config["vocab_size"] + 10
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run("generate", "Emma", "--model", str(tmp_path))
+    warning = [line for line in r.stderr.splitlines() if "eos_token_id" in line]
+    assert warning and all(line.startswith("warning: ") for line in warning), r.stderr
+    assert ".py:" not in r.stderr and "warnings.warn" not in r.stderr

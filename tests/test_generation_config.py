@@ -109,7 +109,7 @@ def test_cli_flags_override_the_models_settings_and_temperature_0_is_greedy(tmp_
         r = cli(*args, "--model", str(folder))
         assert r.returncode == 0 and r.stdout == greedy.stdout and r.stderr == ""
     r = cli(*args, "--model", str(folder), "--top-k", "5")
-    assert r.stdout == greedy.stdout and "--top-k only apply when sampling" in r.stderr
+    assert r.stdout == greedy.stdout and "note: --top-k only applies when sampling" in r.stderr
 
 
 def readme_run_command() -> list[str]:

@@ -331,7 +331,7 @@ def test_the_readme_route_example_runs_as_typed(model):
     """The README's route command (two replicas started by the router), with the README's curl example sent to it
     (the port: any free one in place of the README's 8000)."""
     route = re.search(r"<!-- route-command -->\s*```bash\n(.*?)```", README, re.S).group(1).strip()
-    assert route.startswith("python -m gpt2_core route") and "8000" in route
+    assert route.startswith(".venv/bin/python -m gpt2_core route") and "8000" in route  # the README's venv
     curl = re.search(r"<!-- serve-curl -->\s*```bash\n(.*?)```", README, re.S).group(1).strip()
     with RouterProcess(*route.replace("8000", "0").split()[4:]) as router:
         port = router.url.rsplit(":", 1)[1]

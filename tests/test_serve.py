@@ -319,7 +319,7 @@ def test_the_readme_serving_examples_run_as_typed(model):
     import sys
 
     serve = re.search(r"<!-- serve-command -->\s*```bash\n(.*?)```", README, re.S).group(1).strip()
-    assert serve.startswith("python -m gpt2_core serve") and "8000" in serve
+    assert serve.startswith(".venv/bin/python -m gpt2_core serve") and "8000" in serve  # the README's venv
     curl = re.search(r"<!-- serve-curl -->\s*```bash\n(.*?)```", README, re.S).group(1).strip()
     code = re.search(r"<!-- serve-openai -->\s*```python\n(.*?)```", README, re.S).group(1)
     with ServerProcess(*serve.replace("8000", "0").split()[4:]) as server:

@@ -37,7 +37,8 @@ def sh(command: str, cwd: Path, env: dict, timeout=600) -> subprocess.CompletedP
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """A copy of the checkout (so that the build leaves nothing behind in it), the README's two commands run there
-    as typed with `python3` being this interpreter, and a folder outside both to work in."""
+    as typed (after `python3 -m venv .venv`, which the teacher's first command ran) with `python3` being this
+    interpreter, and a folder outside both to work in."""
     base = tmp_path_factory.mktemp("wheel")
     clone = base / "clone"
     shutil.copytree(ROOT, clone, ignore=IGNORED)
@@ -46,6 +47,7 @@ def installed(tmp_path_factory):
     (bin_dir / "python3").symlink_to(sys.executable)
     env = {k: v for k, v in os.environ.items() if k not in ("GPT2_CORE_DATA", "PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    sh("python3 -m venv .venv", clone, env)  # the teacher's clone has the first command's .venv
     sh(readme_block("wheel-command"), clone, env)
     install = sh(readme_block("wheel-install-command"), clone, env)
     outside = base / "elsewhere"
