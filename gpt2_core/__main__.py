@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "parallel", "serve", "capstone"])
     b.add_argument("--json", default=None, help="write the results here as JSON")
     b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged, prefix, capstone)")
-    b.add_argument("--quick", action="store_true", help="small sizes (seconds instead of minutes)")
+    b.add_argument("--quick", action="store_true", help="small sizes: a check that it runs, in a minute or two "
+                                                        "rather than 1-15 minutes (GPT2_QUICK=1 does the same)")
     b.add_argument("--base-url", default=None, help="serve: load an OpenAI-compatible server already running there "
                                                     "(e.g. http://127.0.0.1:8000/v1) instead of starting this one")
     b.set_defaults(func=_bench)
