@@ -457,9 +457,9 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     else:
         requests, name = wl.standard_workload(vocab_size=config.vocab_size), "standard_workload(48, seed=0, 4/s)"
     requests = [replace(r, stop_at_eos=False) for r in requests]  # eos ignored: every engine makes every token
-    optional = progress.if_installed(8, "numba") + (progress.if_installed(15, "torch", "transformers")
-                                                    if include_optional else 0)
-    progress.plan(80 + optional, "warming up; the machine's GEMM rate and bandwidth")  # units: rough shares
+    numba_units = progress.if_installed(8, "numba")
+    hf_units = progress.if_installed(15, "torch", "transformers") if include_optional else 0
+    progress.plan(80 + numba_units + hf_units, "warming up; the GEMM rate and bandwidth")  # units: rough shares
     warm_up(model)
     readings = [measure_limits(model)]
     rows, skipped = [], []
@@ -475,14 +475,14 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     readings.append(measure_limits(model))
     paged = next(r for r in rows if r["method"] == "paged")
     rows.append(quant_row(config, "numpy", requests)[0] if quick else composed_quant_row(config, paged, requests))
-    progress.advance(5, "int8 with the numba kernel" if optional else None)
+    progress.advance(5, "int8 with the numba kernel" if numba_units else None)
     got, _, note = numba_row(config, requests, threads)
-    progress.advance(progress.if_installed(8, "numba"), "the span from naive to the final engine, by length")
+    progress.advance(numba_units, "the span from naive to the final engine, by length")
     (rows.append(got) if got is not None else skipped.append({"method": f"{QUANT_FORMAT}_numba", "reason": note}))
     points = sweep_points or ([(16, 16), (32, 32), (64, 64)] if quick else
                               [(32, 32), (64, 64), (128, 128), (256, 256), (512, 512)])
     span_sweep = sweep(model, points, 4 if quick else 8, 4 if quick else 8)
-    progress.advance(15, "HF transformers" if include_optional else None)
+    progress.advance(15, "HF transformers" if hf_units else None)
     readings.append(measure_limits(model))
     if include_optional:
         got, note = hf_row(model, requests, threads, base, arrivals=quick)
