@@ -151,11 +151,11 @@ def readme_commands(text: str = README_TEXT) -> list[str]:
     commands = []
     for block in re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S):
         for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-            line = re.split(r"\s#", line)[0].strip()
+            line = " ".join(re.split(r"\s#", line)[0].split())
             if line and not line.startswith("#"):
                 commands.append(line)
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    runs = re.compile(r"(?:\S*/)?(?:python[\d.]*|pip\d?|jupyter|pytest)\b")
+    runs = re.compile(r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:\S*/)?(?:python[\d.]*|pip\d?|jupyter|pytest)\b")
     commands += [span for span in re.findall(r"`([^`\n]+)`", prose) if runs.match(span) and " " in span]
     return commands
 
