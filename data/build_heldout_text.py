@@ -5,7 +5,7 @@ order) is 10 modulo 20, and trains its tokenizer and model on the rest only. Thi
 with the same functions and writes those 13 chapters, normalised exactly as training saw them, to
 ``gpt2_core/data/heldout/austen_validation.txt``, documents joined by ``"\\n<|endoftext|>\\n"`` (the separator of
 the corpus checksum in data/README.md; no chapter contains it). Chapter 6 measures the perplexity of quantized
-models on it (``gpt2_core.ch6_quantization.quantization.heldout_token_ids``).
+models on it (``gpt2_core.ch06_quantization.quantization.heldout_token_ids``).
 
     python data/build_heldout_text.py          # needs rdata (the `reference` extra) and the janeaustenr .deb
 """

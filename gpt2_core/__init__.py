@@ -9,12 +9,12 @@ The public API, stable across chapters:
 * ``model.tokenizer.encode(text)`` / ``.decode(ids)`` (``Tokenizer``)
 """
 
-from .ch2_kv_cache import kv_cache  # chapter 2 (its generate has chapter 1's signature)
+from .ch02_kv_cache import kv_cache  # chapter 2 (its generate has chapter 1's signature)
 from .loading.config import PRESETS, GPT2Config
 from .errors import CheckpointError, GPT2Error, InvalidInputError
-from .ch1_forward.generation import generate, generate_stream
-from .ch1_forward.model import forward
-from .ch1_forward.sampling import SamplingParams
+from .ch01_forward.generation import generate, generate_stream
+from .ch01_forward.model import forward
+from .ch01_forward.sampling import SamplingParams
 from .loading.tokenizer import Tokenizer
 from .loading.weights import GPT2Model, load_model, random_model
 

@@ -8,13 +8,13 @@ import os
 import secrets
 import sys
 
-from .ch8_parallel import routing
+from .ch08_parallel import routing
 from .errors import GPT2Error
 
 
 def _generate(args) -> int:
-    from .ch1_forward.generation import check_generation
-    from .ch1_forward.sampling import SamplingParams
+    from .ch01_forward.generation import check_generation
+    from .ch01_forward.sampling import SamplingParams
     from .loading.weights import load_model
 
     model = load_model(args.model)
@@ -48,9 +48,9 @@ def _generate(args) -> int:
 
 def _engine(name: str):
     if name == "naive":
-        from .ch1_forward.generation import generate_stream
+        from .ch01_forward.generation import generate_stream
     else:
-        from .ch2_kv_cache.kv_cache import generate_stream
+        from .ch02_kv_cache.kv_cache import generate_stream
     return generate_stream
 
 
@@ -64,7 +64,7 @@ def _bench(args) -> int:
 
 
 def _serve(args) -> int:
-    from .ch7_serving.app import serve_main
+    from .ch07_serving.app import serve_main
 
     return serve_main(args, prepare=None if args.plain else _accelerated)
 
@@ -79,7 +79,7 @@ def _accelerated(model):
 
 
 def _route(args) -> int:
-    from .ch8_parallel.http_router import route_main
+    from .ch08_parallel.http_router import route_main
 
     return route_main(args)
 

@@ -13,18 +13,18 @@ import pytest
 from helpers import TINY, tiny_model
 
 from gpt2_core import kv_cache
-from gpt2_core.ch4_paged.block_manager import BlockAllocator, BlockManager
+from gpt2_core.ch04_paged.block_manager import BlockAllocator, BlockManager
 from gpt2_core.loading.config import GPT2Config
 from gpt2_core.bench.replay import replay
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CheckpointError, InvalidInputError, is_integer, is_real
-from gpt2_core.ch1_forward.generation import check_generation
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch01_forward.generation import check_generation
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
 from gpt2_core.bench.common import median_time
-from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
-from gpt2_core.ch1_forward.sampling import SamplingParams
-from gpt2_core.ch3_batching.scheduler import Scheduler
-from gpt2_core.ch3_batching.sequence import Request
+from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
+from gpt2_core.ch01_forward.sampling import SamplingParams
+from gpt2_core.ch03_batching.scheduler import Scheduler
+from gpt2_core.ch03_batching.sequence import Request
 
 
 def test_is_integer_takes_python_and_numpy_integers_in_range_and_nothing_else():

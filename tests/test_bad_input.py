@@ -9,17 +9,17 @@ import pytest
 from helpers import TINY, config_json, tiny_model
 
 import gpt2_core
-from gpt2_core import kv_cache; from gpt2_core.ch3_batching import model_runner
+from gpt2_core import kv_cache; from gpt2_core.ch03_batching import model_runner
 from gpt2_core.bench import workload as wl
 from gpt2_core.loading.config import GPT2Config
 from gpt2_core.bench.replay import replay
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CheckpointError, InvalidInputError
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
-from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
-from gpt2_core.ch1_forward.sampling import Sampler, SamplingParams
-from gpt2_core.ch3_batching.sequence import FinishReason, Request
-from gpt2_core.ch3_batching.static_batching import static_generate
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
+from gpt2_core.ch01_forward.sampling import Sampler, SamplingParams
+from gpt2_core.ch03_batching.sequence import FinishReason, Request
+from gpt2_core.ch03_batching.static_batching import static_generate
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_a_model_step_that_raises_leaves_the_engine_able_to_go_on(model, monkeyp
             raise KeyboardInterrupt  # e.g. Ctrl-C in the middle of a step, after some layers wrote their K/V
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("gpt2_core.ch3_batching.engine.ragged_forward", fails_once)
+    monkeypatch.setattr("gpt2_core.ch03_batching.engine.ragged_forward", fails_once)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     assert engine.store.reserved_tokens() == 0 and len(engine.scheduler.waiting) == 2  # both wait again, KV freed

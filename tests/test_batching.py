@@ -11,13 +11,13 @@ from helpers import TINY, reference_dirs, tiny_model
 import gpt2_core
 from gpt2_core import kv_cache
 from gpt2_core.bench.replay import replay
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
-from gpt2_core.ch3_batching.model_runner import Chunk, ragged_forward
-from gpt2_core.ch1_forward.sampling import SamplingParams
-from gpt2_core.ch3_batching.sequence import FinishReason, Request
-from gpt2_core.ch3_batching.static_batching import left_pad, left_padding_attention_mask, position_ids, static_generate
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch01_forward.sampling import SamplingParams
+from gpt2_core.ch03_batching.sequence import FinishReason, Request
+from gpt2_core.ch03_batching.static_batching import left_pad, left_padding_attention_mask, position_ids, static_generate
 from gpt2_core.bench import workload as wl
 
 MODEL = tiny_model()
@@ -278,7 +278,7 @@ def test_static_batching_greedy_rows_equal_chapter_2(name, model):
 def test_static_batches_reuse_one_kv_buffer_without_reading_what_an_earlier_batch_left():
     """A buffer taken once serves batches of any size up to its own; the columns a batch reads are the ones it wrote,
     so a buffer full of another batch's numbers (here NaN) gives the same tokens as a fresh one."""
-    from gpt2_core.ch3_batching.static_batching import static_kv_buffer
+    from gpt2_core.ch03_batching.static_batching import static_kv_buffer
 
     requests = random_requests(MODEL, 5, seed=11)
     prompts, budgets = [r.prompt_token_ids for r in requests], [r.max_new_tokens for r in requests]
@@ -300,7 +300,7 @@ def test_static_batches_reuse_one_kv_buffer_without_reading_what_an_earlier_batc
 def test_static_attention_in_chunks_of_one_row_gives_the_same_tokens(monkeypatch):
     """With a budget of one byte every chunk is a single row of the batch: prefill and decode still give each row
     the tokens it gets alone, pads and uneven lengths included."""
-    from gpt2_core.ch3_batching import static_batching
+    from gpt2_core.ch03_batching import static_batching
 
     monkeypatch.setattr(static_batching, "SCORES_BYTES", 1)
     requests = random_requests(MODEL, 5, seed=12)
@@ -312,7 +312,7 @@ def test_static_attention_in_chunks_of_one_row_gives_the_same_tokens(monkeypatch
 
 
 def test_replay_static_takes_its_kv_memory_once_before_its_clock(monkeypatch):
-    from gpt2_core.ch3_batching import static_batching
+    from gpt2_core.ch03_batching import static_batching
     from gpt2_core.bench.replay import replay_static
 
     taken = []
@@ -582,7 +582,7 @@ def test_a_step_cannot_start_inside_another():
 
 
 def test_an_engine_refuses_a_store_in_use_and_a_step_that_can_never_schedule():
-    from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
+    from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
 
     store = PagedKVStore(MODEL.config, num_blocks=4, block_size=4)
     store.allocate("someone else", 8)
@@ -600,7 +600,7 @@ def test_an_engine_refuses_a_store_in_use_and_a_step_that_can_never_schedule():
 
 
 def test_engine_arguments_are_checked_before_the_store_takes_memory_and_callables_on_arrival(monkeypatch):
-    import gpt2_core.ch3_batching.engine as engine_module
+    import gpt2_core.ch03_batching.engine as engine_module
 
     built = []
     monkeypatch.setattr(engine_module, "ContiguousKVStore", lambda *a, **k: built.append(a))
@@ -617,7 +617,7 @@ def test_engine_arguments_are_checked_before_the_store_takes_memory_and_callable
 
 
 def test_stores_refuse_a_negative_position_before_writing():
-    from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
+    from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
 
     cfg = MODEL.config
     k = np.ones((cfg.n_head, 1, cfg.head_dim), np.float32)
@@ -688,7 +688,7 @@ def test_step_clock_replay_jumps_over_idle_steps_and_refuses_a_time_past_any_clo
 
 
 def test_generate_refuses_a_stop_at_eos_that_is_not_a_bool():
-    from gpt2_core.ch1_forward import generation
+    from gpt2_core.ch01_forward import generation
 
     for generate in (generation.generate, kv_cache.generate):
         with pytest.raises(InvalidInputError, match="stop_at_eos must be True or False, got 'no'"):

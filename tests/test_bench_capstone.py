@@ -14,14 +14,14 @@ import pytest
 from helpers import ROOT, tiny_model
 
 import gpt2_core
-from gpt2_core.ch1_forward import generation; from gpt2_core import kv_cache; from gpt2_core.ch6_quantization import quant_kernels; from gpt2_core.ch3_batching import static_batching
+from gpt2_core.ch01_forward import generation; from gpt2_core import kv_cache; from gpt2_core.ch06_quantization import quant_kernels; from gpt2_core.ch03_batching import static_batching
 from gpt2_core.bench import capstone as C
 from gpt2_core.bench.kv_cache import weight_bytes_per_token
 from gpt2_core.bench.workload import poisson_workload
 from gpt2_core.loading.config import GPT2Config
-from gpt2_core.ch3_batching.engine import LLMEngine
-from gpt2_core.ch6_quantization.quantization import bytes_per_token
-from gpt2_core.ch3_batching.sequence import Request
+from gpt2_core.ch03_batching.engine import LLMEngine
+from gpt2_core.ch06_quantization.quantization import bytes_per_token
+from gpt2_core.ch03_batching.sequence import Request
 
 CONFIG = GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_head=4, n_layer=2)
 
@@ -41,7 +41,7 @@ class CallCounter:
     ``softmax`` over its [b, H, T, S] scores 4 x D per score (its attention's two products are written inline)."""
 
     def __init__(self, monkeypatch, config):
-        import gpt2_core.ch1_forward.model as M
+        import gpt2_core.ch01_forward.model as M
 
         self.flops, D = 0, config.head_dim
         originals = {"linear": M.linear, "lm_head": M.lm_head, "attention": M.attention,

@@ -7,7 +7,7 @@ from helpers import run_counted_state_machine
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpt2_core.ch4_paged.block_manager import BlockAllocator, BlockManager, blocks_needed, internal_fragmentation
+from gpt2_core.ch04_paged.block_manager import BlockAllocator, BlockManager, blocks_needed, internal_fragmentation
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_random_operations_never_leak_or_share_a_block_by_accident():
 
 
 def test_choose_block_size_takes_the_largest_within_the_waste_allowed():
-    from gpt2_core.ch4_paged.block_manager import choose_block_size
+    from gpt2_core.ch04_paged.block_manager import choose_block_size
 
     assert choose_block_size([64, 128], (8, 16, 64), max_waste=0.0) == 64
     assert choose_block_size([17], (1, 4, 16), max_waste=0.2) == 4  # 16 wastes 15/32, 4 wastes 3/20

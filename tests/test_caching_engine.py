@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpt2_core import GPT2Config, kv_cache
-from gpt2_core.ch5_sharing.caching_engine import CachingLLMEngine
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch05_sharing.caching_engine import CachingLLMEngine
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import InvalidInputError
-from gpt2_core.ch1_forward.generation import positions_needed
-from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
-from gpt2_core.ch5_sharing.prefix_cache import PrefixCachingKVStore
-from gpt2_core.ch1_forward.sampling import SamplingParams
-from gpt2_core.ch3_batching.sequence import FinishReason, Request
+from gpt2_core.ch01_forward.generation import positions_needed
+from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
+from gpt2_core.ch05_sharing.prefix_cache import PrefixCachingKVStore
+from gpt2_core.ch01_forward.sampling import SamplingParams
+from gpt2_core.ch03_batching.sequence import FinishReason, Request
 
 CFG = GPT2Config(vocab_size=101, n_positions=64, n_embd=24, n_head=3, n_layer=2, eos_token_id=100)
 MODEL = tiny_model(config=CFG)

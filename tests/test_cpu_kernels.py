@@ -9,11 +9,11 @@ import gpt2_core
 from gpt2_core import kv_cache
 from gpt2_core.a1_cpu_kernels import FastWeight, accelerate, array_of, plain
 from gpt2_core.a1_cpu_kernels import fast_model, small_batch, tiles as tiles_module
-from gpt2_core.ch3_batching.engine import LLMEngine
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
-from gpt2_core.ch1_forward.model import linear
-from gpt2_core.ch3_batching.model_runner import Chunk, ragged_forward
-from gpt2_core.ch3_batching.sequence import Request
+from gpt2_core.ch03_batching.engine import LLMEngine
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch01_forward.model import linear
+from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch03_batching.sequence import Request
 
 MODEL = tiny_model()
 
@@ -162,9 +162,9 @@ def test_padded_rows_change_no_result_and_the_head_pads_too(monkeypatch):
     fast = accelerate(MODEL, tiled=False)
     h = rng.standard_normal((13, MODEL.config.n_embd), dtype=np.float32)
     seen.clear()
-    logits = gpt2_core.ch1_forward.model.lm_head(fast.params, h, MODEL.config.layer_norm_epsilon)
+    logits = gpt2_core.ch01_forward.model.lm_head(fast.params, h, MODEL.config.layer_norm_epsilon)
     assert seen == [16] and logits.shape == (13, MODEL.config.vocab_size)
-    np.testing.assert_allclose(logits, gpt2_core.ch1_forward.model.lm_head(MODEL.params, h, MODEL.config.layer_norm_epsilon),
+    np.testing.assert_allclose(logits, gpt2_core.ch01_forward.model.lm_head(MODEL.params, h, MODEL.config.layer_norm_epsilon),
                                rtol=1e-5, atol=1e-5)
 
 

@@ -6,8 +6,8 @@ from helpers import TINY, tiny_model
 
 import gpt2_core
 from gpt2_core import InvalidInputError, SamplingParams
-from gpt2_core.ch1_forward.generation import next_token_logits
-from gpt2_core.ch1_forward.sampling import Sampler, sampling_probs
+from gpt2_core.ch01_forward.generation import next_token_logits
+from gpt2_core.ch01_forward.sampling import Sampler, sampling_probs
 
 
 @pytest.fixture(scope="module")

@@ -163,7 +163,7 @@ def test_the_gemv_chain_reads_every_weight_matrix_of_a_decode_step_once():
 def test_profile_inside_real_steps_times_every_part_and_puts_chapter_1_back(monkeypatch):
     import time
 
-    from gpt2_core import GPT2Config, random_model; from gpt2_core.ch1_forward import model as model_module
+    from gpt2_core import GPT2Config, random_model; from gpt2_core.ch01_forward import model as model_module
     from gpt2_core.bench import kv_cache as bench
 
     config = GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_head=2, n_layer=2)

@@ -1,7 +1,7 @@
 """The package's layout is the course's table of contents, and the tests derive the chapter map from it.
 
 ``gpt2_core/`` holds ``loading/`` (files -> model, no chapter's code), one folder per chapter in course order
-(``ch1_forward/``, ``ch2_kv_cache/``, ... : ``ch<N>_<name>``), the appendix's ``a1_cpu_kernels/``, the benchmarks in
+(``ch01_forward/``, ``ch02_kv_cache/``, ... : ``ch<N>_<name>``), the appendix's ``a1_cpu_kernels/``, the benchmarks in
 ``bench/`` and the CLI on top. The rules, checked on every module by walking its imports:
 
 * a chapter imports only earlier chapters, ``loading`` and ``errors`` (never a later chapter, the appendix, the
@@ -20,7 +20,7 @@ import pytest
 from helpers import ROOT
 
 PACKAGE = ROOT / "gpt2_core"
-CHAPTER = re.compile(r"^ch(\d+)_[a-z0-9_]+$")
+CHAPTER = re.compile(r"^ch(\d{2})_[a-z0-9_]+$")  # two digits, so that `ls` lists them in course order
 CHAPTERS = sorted((p.name for p in PACKAGE.iterdir() if CHAPTER.match(p.name)), key=lambda n: int(CHAPTER.match(n)[1]))
 FLOOR = ["errors", "loading"]  # what any chapter may import besides earlier chapters
 TOOLING = ["bench", "a1_cpu_kernels", "classroom", "__main__", "__init__"]  # above the chapters
@@ -29,7 +29,7 @@ TOP_LEVEL = sorted(["__init__.py", "__main__.py", "errors.py", "classroom.py", "
 
 
 def part_of(module: str) -> str | None:
-    """'gpt2_core.ch3_batching.engine' -> 'ch3_batching'; names outside the package -> None."""
+    """'gpt2_core.ch03_batching.engine' -> 'ch03_batching'; names outside the package -> None."""
     parts = module.split(".")
     return parts[1] if parts[0] == "gpt2_core" and len(parts) > 1 else ("__init__" if module == "gpt2_core" else None)
 
@@ -169,15 +169,15 @@ def test_the_checks_see_a_forward_import_and_a_private_one(tmp_path):
     """The rules are checked, not assumed: a chapter 3 module that imports chapter 5, the appendix or the benchmarks
     (relative or absolute, at any depth) is caught, and so is loading importing chapter 1."""
     p = tmp_path / "m.py"
-    p.write_text("from ..ch5_sharing.prefix_cache import X\nfrom ..ch1_forward import model\n"
+    p.write_text("from ..ch05_sharing.prefix_cache import X\nfrom ..ch01_forward import model\n"
                  "def f():\n    from ..a1_cpu_kernels import accelerate\n    import gpt2_core.bench.common\n")
-    assert forbidden_imports(p, "gpt2_core.ch3_batching.m") == [
-        "gpt2_core.ch5_sharing.prefix_cache", "gpt2_core.a1_cpu_kernels", "gpt2_core.bench.common"]
+    assert forbidden_imports(p, "gpt2_core.ch03_batching.m") == [
+        "gpt2_core.ch05_sharing.prefix_cache", "gpt2_core.a1_cpu_kernels", "gpt2_core.bench.common"]
     assert forbidden_imports(p, "gpt2_core.loading.m") == [
-        "gpt2_core.ch5_sharing.prefix_cache", "gpt2_core.ch1_forward", "gpt2_core.a1_cpu_kernels",
+        "gpt2_core.ch05_sharing.prefix_cache", "gpt2_core.ch01_forward", "gpt2_core.a1_cpu_kernels",
         "gpt2_core.bench.common"]
-    p.write_text("from ..ch1_forward.model import _private, public\n")
-    assert [n for m, ns in imported_names(p, "gpt2_core.ch3_batching.m") for n in ns if n.startswith("_")] == ["_private"]
+    p.write_text("from ..ch01_forward.model import _private, public\n")
+    assert [n for m, ns in imported_names(p, "gpt2_core.ch03_batching.m") for n in ns if n.startswith("_")] == ["_private"]
 
 
 # --- the chapter notebooks read as lessons ------------------------------------------------------------------------

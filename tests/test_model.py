@@ -5,7 +5,7 @@ import pytest
 from helpers import PACKAGE_DATA, TINY, prompts, reference_dirs, tiny_model
 
 import gpt2_core
-from gpt2_core.ch1_forward import model as M
+from gpt2_core.ch01_forward import model as M
 
 rng = np.random.default_rng(0)
 

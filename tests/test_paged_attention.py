@@ -12,13 +12,13 @@ import pytest
 from helpers import tiny_model
 
 from gpt2_core import kv_cache
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError
-from gpt2_core.ch1_forward.model import decode_attention
-from gpt2_core.ch3_batching.model_runner import Chunk, ragged_forward
-from gpt2_core.ch5_sharing.paged_attention import PagedAttentionKVStore, contiguous_runs, paged_decode_attention
-from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
-from gpt2_core.ch3_batching.sequence import FinishReason, Request
+from gpt2_core.ch01_forward.model import decode_attention
+from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch05_sharing.paged_attention import PagedAttentionKVStore, contiguous_runs, paged_decode_attention
+from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
+from gpt2_core.ch03_batching.sequence import FinishReason, Request
 
 MODEL = tiny_model()
 CFG = MODEL.config

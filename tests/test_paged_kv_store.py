@@ -22,15 +22,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpt2_core import GPT2Config, kv_cache
-from gpt2_core.ch4_paged.block_manager import blocks_needed
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch04_paged.block_manager import blocks_needed
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
-from gpt2_core.ch1_forward.generation import positions_needed
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
-from gpt2_core.ch3_batching.model_runner import Chunk, ragged_forward
-from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore, slot_indices
-from gpt2_core.ch3_batching.sequence import FinishReason, Request
-from gpt2_core.ch3_batching.static_batching import static_generate
+from gpt2_core.ch01_forward.generation import positions_needed
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore, slot_indices
+from gpt2_core.ch03_batching.sequence import FinishReason, Request
+from gpt2_core.ch03_batching.static_batching import static_generate
 from gpt2_core.loading.weights import random_model
 
 MODEL = tiny_model()
@@ -49,8 +49,8 @@ def resident_bytes() -> int:
 STORE_IN_A_FRESH_PROCESS = """
 import os, sys
 from gpt2_core import GPT2Config
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
-from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
 
 def resident_bytes():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -87,9 +87,9 @@ def test_a_store_takes_its_memory_when_built_not_on_first_use(kind):
     (lambda m: static_generate(m, [[1, 2]] * 8, 1022), ["static batch's KV cache of 8 rows x 1024 columns"])],
     ids=["contiguous", "paged", "engine-default-store", "static-batch"])
 def test_a_store_larger_than_the_memory_available_is_refused_before_it_is_written(make, names, monkeypatch):
-    import gpt2_core.ch3_batching.kv_store
+    import gpt2_core.ch03_batching.kv_store
 
-    monkeypatch.setattr(gpt2_core.ch3_batching.kv_store, "available_memory_bytes", lambda: 48 * 2**20)  # 48 MiB left
+    monkeypatch.setattr(gpt2_core.ch03_batching.kv_store, "available_memory_bytes", lambda: 48 * 2**20)  # 48 MiB left
     model = random_model(GPT2Config(vocab_size=11, n_positions=1024, n_embd=256, n_head=4, n_layer=4))
     before = resident_bytes()
     with pytest.raises(CacheCapacityError) as error:

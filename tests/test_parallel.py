@@ -21,9 +21,9 @@ from helpers import tiny_model
 import gpt2_core
 from gpt2_core import GPT2Config, kv_cache
 from gpt2_core.errors import InvalidInputError, WorkerError
-from gpt2_core.ch1_forward.model import forward
-from gpt2_core.ch8_parallel.process_group import SHM_PREFIX, flatten, unflatten
-from gpt2_core.ch8_parallel.tensor_parallel import (BatchKVCache, SharedMemoryAllReduce, TensorParallelModel, no_communication,
+from gpt2_core.ch01_forward.model import forward
+from gpt2_core.ch08_parallel.process_group import SHM_PREFIX, flatten, unflatten
+from gpt2_core.ch08_parallel.tensor_parallel import (BatchKVCache, SharedMemoryAllReduce, TensorParallelModel, no_communication,
                                        part, qkv_columns, row_parallel, shard_forward, shard_params)
 
 # 4 heads (2 per worker), an odd vocabulary (the two workers' shares differ by one token), 2 layers
@@ -222,7 +222,7 @@ def test_no_segment_of_this_process_is_left_at_the_end(tp):
 
 # --- the pipeline --------------------------------------------------------------------------------------------------
 
-from gpt2_core.ch8_parallel.pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble, stage_params  # noqa: E402
+from gpt2_core.ch08_parallel.pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble, stage_params  # noqa: E402
 
 
 def test_stages_hold_the_layers_once(model):
@@ -278,8 +278,8 @@ def test_the_benchmark_arms_give_the_same_tokens_on_a_tiny_model(model):
 
 
 def test_split_row_parallel_and_predicted_bubble():
-    from gpt2_core.ch8_parallel.pipeline_parallel import predicted_bubble
-    from gpt2_core.ch8_parallel.tensor_parallel import split_row_parallel
+    from gpt2_core.ch08_parallel.pipeline_parallel import predicted_bubble
+    from gpt2_core.ch08_parallel.tensor_parallel import split_row_parallel
 
     rng = np.random.default_rng(1)
     x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((4, 10), (10, 6), (6,)))
@@ -295,7 +295,7 @@ import os, signal, sys
 sys.path.insert(0, {tests!r})
 from helpers import tiny_model
 from gpt2_core import GPT2Config
-from gpt2_core.ch8_parallel.tensor_parallel import TensorParallelModel
+from gpt2_core.ch08_parallel.tensor_parallel import TensorParallelModel
 if __name__ == "__main__":
     tp = TensorParallelModel(tiny_model(config=GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_head=4,
                                                           n_layer=2, eos_token_id=100)))

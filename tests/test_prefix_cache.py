@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from gpt2_core import GPT2Config
-from gpt2_core.ch4_paged.block_manager import blocks_needed
+from gpt2_core.ch04_paged.block_manager import blocks_needed
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
-from gpt2_core.ch5_sharing.prefix_cache import (ROOT_HASH, PrefixCachingAllocator, PrefixCachingBlockManager,
+from gpt2_core.ch05_sharing.prefix_cache import (ROOT_HASH, PrefixCachingAllocator, PrefixCachingBlockManager,
                                     PrefixCachingKVStore, block_hashes, hash_block)
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from gpt2_core.ch4_paged.block_manager import blocks_needed
-from gpt2_core.ch5_sharing.caching_engine import CachingLLMEngine
+from gpt2_core.ch04_paged.block_manager import blocks_needed
+from gpt2_core.ch05_sharing.caching_engine import CachingLLMEngine
 from gpt2_core.errors import InvalidInputError
-from gpt2_core.ch5_sharing.prefix_cache import PrefixCachingKVStore
-from gpt2_core.ch7_serving.priority_scheduler import PriorityRequest, PriorityScheduler, effective_priority
-from gpt2_core.ch3_batching.sequence import FinishReason, Request
+from gpt2_core.ch05_sharing.prefix_cache import PrefixCachingKVStore
+from gpt2_core.ch07_serving.priority_scheduler import PriorityRequest, PriorityScheduler, effective_priority
+from gpt2_core.ch03_batching.sequence import FinishReason, Request
 from helpers import tiny_model
 
 

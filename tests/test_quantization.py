@@ -16,15 +16,15 @@ from hypothesis.extra.numpy import arrays
 from helpers import TINY, tiny_model
 
 import gpt2_core
-from gpt2_core import kv_cache; from gpt2_core.ch6_quantization import quant_kernels, quantization as Q
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core import kv_cache; from gpt2_core.ch06_quantization import quant_kernels, quantization as Q
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CheckpointError, InvalidInputError, MissingDependencyError
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore
-from gpt2_core.ch3_batching.model_runner import Chunk, ragged_forward
-from gpt2_core.ch4_paged.paged_kv_store import PagedKVStore
-from gpt2_core.ch6_quantization.quant_kv_store import Int8PagedKVStore, kv_bytes_per_token, paged_store, quantize_kv
-from gpt2_core.ch3_batching.sequence import Request
-from gpt2_core.ch3_batching.static_batching import static_generate
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
+from gpt2_core.ch06_quantization.quant_kv_store import Int8PagedKVStore, kv_bytes_per_token, paged_store, quantize_kv
+from gpt2_core.ch03_batching.sequence import Request
+from gpt2_core.ch03_batching.static_batching import static_generate
 
 G = 8  # an int4 group size that divides TINY's n_embd (24) and 4 x n_embd (96)
 finite = st.floats(-4, 4, width=32, allow_nan=False, allow_infinity=False)

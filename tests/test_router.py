@@ -21,9 +21,9 @@ import pytest
 
 from gpt2_core import kv_cache, load_model
 from gpt2_core.errors import InvalidInputError
-from gpt2_core.ch8_parallel.routing import BALANCE_ABS, BALANCE_REL, PrefixAffinity, RoundRobin, block_hashes, make_policy
-from gpt2_core.ch7_serving.launch import RouterProcess, ServerProcess, start_servers
-from gpt2_core.ch8_parallel.http_router import replica_url
+from gpt2_core.ch08_parallel.routing import BALANCE_ABS, BALANCE_REL, PrefixAffinity, RoundRobin, block_hashes, make_policy
+from gpt2_core.ch07_serving.launch import RouterProcess, ServerProcess, start_servers
+from gpt2_core.ch08_parallel.http_router import replica_url
 from helpers import ROOT, wait_until
 
 MODEL = "gpt2-numpy-embedded"

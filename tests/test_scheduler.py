@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from gpt2_core import kv_cache
 from gpt2_core.bench.replay import replay
-from gpt2_core.ch3_batching.engine import LLMEngine
+from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
-from gpt2_core.ch1_forward.generation import positions_needed
-from gpt2_core.ch3_batching.kv_store import ContiguousKVStore, KVStore
-from gpt2_core.ch3_batching.scheduler import Scheduler
-from gpt2_core.ch3_batching.sequence import FinishReason, Request, Sequence, SequenceStatus
+from gpt2_core.ch01_forward.generation import positions_needed
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore, KVStore
+from gpt2_core.ch03_batching.scheduler import Scheduler
+from gpt2_core.ch03_batching.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 MODEL = tiny_model()
 
@@ -254,7 +254,7 @@ def test_random_workloads_finish_every_valid_request_within_limits(specs, max_nu
 
 
 def test_num_to_admit_is_fcfs_with_places_and_budget():
-    from gpt2_core.ch3_batching.scheduler import num_to_admit
+    from gpt2_core.ch03_batching.scheduler import num_to_admit
 
     assert num_to_admit([4, 5, 1, 1], 0, 3, 0, 10) == 3
     assert num_to_admit([4, 7, 1], 0, 4, 0, 10) == 1  # 7 does not fit: 1 waits behind it
@@ -267,7 +267,7 @@ class ShortestFirst(Scheduler):
     """Another admission policy, as a learner writes one: shortest prompt first, within the same two budgets."""
 
     def admit(self, num_batched_tokens):
-        from gpt2_core.ch3_batching.scheduler import num_to_admit
+        from gpt2_core.ch03_batching.scheduler import num_to_admit
 
         queue = sorted(self.waiting, key=lambda s: s.num_uncomputed_tokens)
         lens = [s.num_uncomputed_tokens for s in queue]

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from gpt2_core import kv_cache, load_model
-from gpt2_core.ch7_serving.launch import ServerProcess
+from gpt2_core.ch07_serving.launch import ServerProcess
 from helpers import ROOT, wait_until
 
 MODEL = "gpt2-numpy-embedded"
@@ -284,7 +284,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(model):
     """In process: the engine's step raises once; the request in it gets an error, the next one is served."""
     from starlette.testclient import TestClient
 
-    from gpt2_core.ch7_serving.app import make_app
+    from gpt2_core.ch07_serving.app import make_app
 
     app = make_app(model, MODEL, max_num_seqs=4)
     engine = app.state.server.engine

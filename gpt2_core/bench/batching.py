@@ -24,13 +24,13 @@ import numpy as np
 
 from .common import QUICK, blas_info, interleaved, median_time
 from .kv_cache import gemv_bandwidth, hf_reference_model, step_weights, weight_bytes_per_token
-from ..ch3_batching.engine import LLMEngine, RequestOutput
-from ..ch2_kv_cache.kv_cache import generate_stream
-from ..ch3_batching.kv_store import ContiguousKVStore
+from ..ch03_batching.engine import LLMEngine, RequestOutput
+from ..ch02_kv_cache.kv_cache import generate_stream
+from ..ch03_batching.kv_store import ContiguousKVStore
 from ..a1_cpu_kernels import FastWeight, accelerate
 from ..a1_cpu_kernels.small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, gemm, gemm_rows, padded_gemm
-from ..ch3_batching.model_runner import Chunk, ragged_forward
-from ..ch3_batching.sequence import FinishReason, Request, SequenceMetrics
+from ..ch03_batching.model_runner import Chunk, ragged_forward
+from ..ch03_batching.sequence import FinishReason, Request, SequenceMetrics
 from .replay import arrival_batches, replay, replay_static
 from ..loading.weights import GPT2Model, random_model
 from . import workload as wl

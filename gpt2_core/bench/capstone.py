@@ -39,20 +39,20 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..ch1_forward import generation
-from ..ch2_kv_cache import kv_cache
-from ..ch6_quantization import quant_kernels
-from ..ch5_sharing.caching_engine import CachingLLMEngine
+from ..ch01_forward import generation
+from ..ch02_kv_cache import kv_cache
+from ..ch06_quantization import quant_kernels
+from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..loading.config import GPT2Config, preset
 from ..a1_cpu_kernels import accelerate
-from ..ch3_batching.engine import LLMEngine, RequestOutput
-from ..ch2_kv_cache.kv_cache import kv_cache_bytes
-from ..ch4_paged.paged_kv_store import PagedKVStore
-from ..ch5_sharing.prefix_cache import PrefixCachingKVStore
-from ..ch6_quantization.quantization import MATRICES, QuantizedEmbedding, bytes_per_token, quantize_model
-from ..ch9_capstone.roofline import (count_work, forward_flops, request_passes, roofline, static_passes,
+from ..ch03_batching.engine import LLMEngine, RequestOutput
+from ..ch02_kv_cache.kv_cache import kv_cache_bytes
+from ..ch04_paged.paged_kv_store import PagedKVStore
+from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
+from ..ch06_quantization.quantization import MATRICES, QuantizedEmbedding, bytes_per_token, quantize_model
+from ..ch11_capstone.roofline import (count_work, forward_flops, request_passes, roofline, static_passes,
                                      workload_passes)
-from ..ch3_batching.sequence import FinishReason, Request, SequenceMetrics
+from ..ch03_batching.sequence import FinishReason, Request, SequenceMetrics
 from ..loading.weights import GPT2Model, random_model
 from . import workload as wl
 from .batching import gemm_bound_tokens_per_s, replay_hf, warm_up

@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..ch2_kv_cache import kv_cache
-from ..ch1_forward import model as model_module
+from ..ch02_kv_cache import kv_cache
+from ..ch01_forward import model as model_module
 from ..a1_cpu_kernels import accelerate, array_of
 from ..errors import is_integer
-from ..ch1_forward.generation import next_token_logits
+from ..ch01_forward.generation import next_token_logits
 from ..loading.weights import GPT2Model, random_model
 from .common import GRADING, QUICK, blas_info, interleaved, median_time
 
@@ -232,7 +232,7 @@ def hf_decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, thr
 
 def profile_decode_step(model: GPT2Model, position: int, repeats: int = 5) -> dict[str, float]:
     """Median milliseconds of each part of one decode step at ``position``: where the time goes."""
-    from ..ch1_forward.model import attention, gelu, layer_norm
+    from ..ch01_forward.model import attention, gelu, layer_norm
 
     c, p = model.config, model.params
     rng = np.random.default_rng(2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ch2_kv_cache import kv_cache
+from ..ch02_kv_cache import kv_cache
 from ..loading.config import GPT2Config
 from ..a1_cpu_kernels import accelerate
 from ..loading.weights import random_model

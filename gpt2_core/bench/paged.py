@@ -25,12 +25,12 @@ import time
 import numpy as np
 
 from ..loading.config import GPT2Config
-from ..ch3_batching.engine import LLMEngine
-from ..ch2_kv_cache.kv_cache import kv_cache_bytes
-from ..ch3_batching.kv_store import ContiguousKVStore, KVStore
+from ..ch03_batching.engine import LLMEngine
+from ..ch02_kv_cache.kv_cache import kv_cache_bytes
+from ..ch03_batching.kv_store import ContiguousKVStore, KVStore
 from .common import QUICK
-from ..ch4_paged.paged_kv_store import PagedKVStore
-from ..ch3_batching.sequence import Request
+from ..ch04_paged.paged_kv_store import PagedKVStore
+from ..ch03_batching.sequence import Request
 from ..a1_cpu_kernels import accelerate
 from ..loading.weights import GPT2Model, random_model
 from .workload import load_trace, standard_workload, summarize

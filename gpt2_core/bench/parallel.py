@@ -23,8 +23,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..loading.config import preset
-from ..ch8_parallel.pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble
-from ..ch8_parallel.tensor_parallel import BatchKVCache, TensorParallelModel, no_communication, shard_forward
+from ..ch08_parallel.pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble
+from ..ch08_parallel.tensor_parallel import BatchKVCache, TensorParallelModel, no_communication, shard_forward
 from ..loading.weights import random_model
 from .common import QUICK, blas_threads, interleaved
 from .router import missing_extra, router_records

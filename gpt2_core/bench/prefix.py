@@ -30,16 +30,16 @@ import time
 
 import numpy as np
 
-from ..ch4_paged.block_manager import blocks_needed
-from ..ch5_sharing.caching_engine import CachingLLMEngine
+from ..ch04_paged.block_manager import blocks_needed
+from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..loading.config import GPT2Config
 from ..a1_cpu_kernels import accelerate
-from ..ch3_batching.engine import LLMEngine
-from ..ch1_forward.model import decode_attention
-from ..ch5_sharing.paged_attention import PagedAttentionKVStore, contiguous_runs
-from ..ch4_paged.paged_kv_store import PagedKVStore
-from ..ch5_sharing.prefix_cache import PrefixCachingKVStore
-from ..ch3_batching.sequence import Request
+from ..ch03_batching.engine import LLMEngine
+from ..ch01_forward.model import decode_attention
+from ..ch05_sharing.paged_attention import PagedAttentionKVStore, contiguous_runs
+from ..ch04_paged.paged_kv_store import PagedKVStore
+from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
+from ..ch03_batching.sequence import Request
 from ..loading.weights import GPT2Model, random_model
 from .common import QUICK, interleaved, median_time
 from .paged import fresh, narrow_model

@@ -32,15 +32,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..ch2_kv_cache import kv_cache
-from ..ch6_quantization import quant_kernels
+from ..ch02_kv_cache import kv_cache
+from ..ch06_quantization import quant_kernels
 from ..loading.config import preset
-from ..ch3_batching.engine import LLMEngine
-from ..ch2_kv_cache.kv_cache import kv_cache_bytes
-from ..ch3_batching.model_runner import Chunk, ragged_forward
-from ..ch6_quantization.quant_kv_store import KV_FORMATS, kv_bytes_per_token, paged_store
-from ..ch6_quantization.quantization import bytes_per_token, greedy_agreement, heldout_token_ids, logit_error, perplexity, quantize_model
-from ..ch3_batching.sequence import Request
+from ..ch03_batching.engine import LLMEngine
+from ..ch02_kv_cache.kv_cache import kv_cache_bytes
+from ..ch03_batching.model_runner import Chunk, ragged_forward
+from ..ch06_quantization.quant_kv_store import KV_FORMATS, kv_bytes_per_token, paged_store
+from ..ch06_quantization.quantization import bytes_per_token, greedy_agreement, heldout_token_ids, logit_error, perplexity, quantize_model
+from ..ch03_batching.sequence import Request
 from ..loading.weights import GPT2Model, load_model, random_model
 from .batching import decode_step_runner
 from .common import GRADING, QUICK, blas_info, blas_threads, median_time

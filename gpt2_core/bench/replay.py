@@ -13,10 +13,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..ch3_batching import static_batching
-from ..ch3_batching.engine import LLMEngine, RequestOutput
+from ..ch03_batching import static_batching
+from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..errors import InvalidInputError, is_integer, is_real
-from ..ch3_batching.sequence import FinishReason, Request, SequenceMetrics
+from ..ch03_batching.sequence import FinishReason, Request, SequenceMetrics
 from ..loading.weights import GPT2Model
 
 

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ch4_paged.block_manager import blocks_needed
-from ..ch5_sharing.prefix_cache import PrefixCachingBlockManager, block_hashes as cache_block_hashes
-from ..ch8_parallel.routing import block_hashes, make_policy
+from ..ch04_paged.block_manager import blocks_needed
+from ..ch05_sharing.prefix_cache import PrefixCachingBlockManager, block_hashes as cache_block_hashes
+from ..ch08_parallel.routing import block_hashes, make_policy
 from .common import interleaved
 from .prefix import BLOCK_SIZE, shared_prefix_workload
 from .serve import Client, percentile
@@ -235,7 +235,7 @@ def run_arm(arm: str, server_args: list[str], requests: list, vocab_size: int, s
             one_at_a_time: bool = False, num_blocks: int | None = None) -> dict:
     """One arm on fresh servers (and router), stopped at the end; ``num_blocks``: each server's KV blocks
     (None: the server's default)."""
-    from ..ch7_serving.launch import RouterProcess, start_servers
+    from ..ch07_serving.launch import RouterProcess, start_servers
 
     policy = arm if arm in POLICIES else None
     args = [*server_args, *(("--num-blocks", str(num_blocks)) if num_blocks else ())]

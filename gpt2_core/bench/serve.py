@@ -218,7 +218,7 @@ def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: 
         raise InvalidInputError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
     server, args = None, ["--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs)]
     if base_url is None:
-        from ..ch7_serving.launch import ServerProcess
+        from ..ch07_serving.launch import ServerProcess
 
         server = ServerProcess(*args)
         base_url = server.base_url

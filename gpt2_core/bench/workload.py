@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BAD_JSON, InvalidInputError, is_integer, is_real
-from ..ch1_forward.sampling import SamplingParams, sampling_params_of
-from ..ch3_batching.sequence import FinishReason, Request
+from ..ch01_forward.sampling import SamplingParams, sampling_params_of
+from ..ch03_batching.sequence import FinishReason, Request
 
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
 MAX_PROMPT_LEN = 1_000_000  # a trace's prompt_len, at most: far past any context, and a bounded allocation

@@ -16,9 +16,9 @@ import numpy as np
 
 from ..loading.config import GPT2Config
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
-from ..ch2_kv_cache.kv_cache import kv_cache_bytes
+from ..ch02_kv_cache.kv_cache import kv_cache_bytes
 from ..loading.memory import available_memory_bytes
-from ..ch1_forward.model import decode_attention
+from ..ch01_forward.model import decode_attention
 
 
 def claimed_zeros(shape, dtype, what: str) -> np.ndarray:

@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import CacheCapacityError, InvalidInputError, is_integer, is_real
 from .kv_store import ContiguousKVStore, KVStore
 from .model_runner import Chunk, ragged_forward
-from ..ch1_forward.sampling import Sampler
+from ..ch01_forward.sampling import Sampler
 from .scheduler import Scheduler, check_limits
 from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus, check_request
 from ..loading.weights import GPT2Model

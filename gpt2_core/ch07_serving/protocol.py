@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import is_integer, is_real
-from ..ch1_forward.generation import positions_needed
+from ..ch01_forward.generation import positions_needed
 from .priority_scheduler import MAX_ABS_PRIORITY
 
 MAX_LOGPROBS = 5  # OpenAI's limit for the completions API

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from ..errors import InvalidInputError, is_integer
-from ..ch1_forward.model import lm_head
+from ..ch01_forward.model import lm_head
 from .process_group import BARRIER_TIMEOUT_S, CONTEXT, ProcessGroup
 from .tensor_parallel import BatchKVCache, no_communication, part, tp_block
 from ..loading.weights import GPT2Model

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
-from ..ch1_forward.generation import check_generation
+from ..ch01_forward.generation import check_generation
 from .kv_store import claimed_zeros
-from ..ch1_forward.model import layer_norm, linear, lm_head, mlp, softmax
-from ..ch1_forward.sampling import Sampler, sampling_params_of
+from ..ch01_forward.model import layer_norm, linear, lm_head, mlp, softmax
+from ..ch01_forward.sampling import Sampler, sampling_params_of
 from .sequence import FinishReason, check_request
 from ..loading.weights import GPT2Model
 

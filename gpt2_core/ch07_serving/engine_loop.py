@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .priority_scheduler import PriorityRequest
-from ..ch1_forward.sampling import SamplingParams
-from ..ch3_batching.sequence import FinishReason
+from ..ch01_forward.sampling import SamplingParams
+from ..ch03_batching.sequence import FinishReason
 from .protocol import BadRequest, CompletionRequest, TextStream, token_logprobs
 
-log = logging.getLogger("gpt2_core.ch7_serving")
+log = logging.getLogger("gpt2_core.ch07_serving")
 MAX_STEP_STATS = 1000  # the engine's per-step records a long-running server keeps
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kv_store import KVStore
-from ..ch1_forward.model import attention, layer_norm, linear, lm_head, mlp, split_qkv
+from ..ch01_forward.model import attention, layer_norm, linear, lm_head, mlp, split_qkv
 from ..loading.weights import GPT2Model
 
 

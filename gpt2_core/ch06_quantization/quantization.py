@@ -472,7 +472,7 @@ def perplexity(model: GPT2Model, token_ids, max_windows: int | None = None) -> d
     """exp(mean next-token cross-entropy) over non-overlapping windows of ``n_positions`` tokens (each predicting
     the token after each of its positions), as the embedded model's training script evaluated it.
     ``max_windows``: only the first windows (quick runs)."""
-    from ..ch1_forward.model import forward
+    from ..ch01_forward.model import forward
 
     ids = np.asarray(token_ids, dtype=np.int64)
     T = model.config.n_positions
@@ -493,7 +493,7 @@ def perplexity(model: GPT2Model, token_ids, max_windows: int | None = None) -> d
 def logit_error(reference: GPT2Model, model: GPT2Model, token_ids) -> dict:
     """Logits of ``model`` against ``reference`` on the same tokens: max and mean |difference|, the reference's
     logit spread (std) for scale, and how often the top-1 token agrees."""
-    from ..ch1_forward.model import forward
+    from ..ch01_forward.model import forward
 
     a, b = forward(reference, token_ids), forward(model, token_ids)  # [T, V] each
     diff = np.abs(a - b)

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
-from ..ch1_forward.model import attention, gelu, layer_norm, linear, lm_head
+from ..ch01_forward.model import attention, gelu, layer_norm, linear, lm_head
 from .process_group import BARRIER_TIMEOUT_S, ProcessGroup
 from ..loading.weights import GPT2Model
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InvalidInputError, is_integer
-from ..ch1_forward.sampling import Sampler, SamplingParams, sampling_params_of
+from ..ch01_forward.sampling import Sampler, SamplingParams, sampling_params_of
 
 
 class SequenceStatus(enum.Enum):

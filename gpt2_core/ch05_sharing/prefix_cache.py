@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ch4_paged.block_manager import BlockAllocator, BlockManager, blocks_needed
+from ..ch04_paged.block_manager import BlockAllocator, BlockManager, blocks_needed
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
 from .paged_attention import PagedAttentionKVStore
 

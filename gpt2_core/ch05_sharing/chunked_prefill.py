@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ch1_forward.generation import positions_needed
-from ..ch3_batching.scheduler import Scheduler, SchedulerOutput
-from ..ch3_batching.sequence import Sequence, SequenceStatus
+from ..ch01_forward.generation import positions_needed
+from ..ch03_batching.scheduler import Scheduler, SchedulerOutput
+from ..ch03_batching.sequence import Sequence, SequenceStatus
 
 
 @dataclass

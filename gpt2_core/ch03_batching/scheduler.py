@@ -25,7 +25,7 @@ from itertools import islice
 from dataclasses import dataclass, field
 
 from ..errors import InvalidInputError, is_integer
-from ..ch1_forward.generation import positions_needed
+from ..ch01_forward.generation import positions_needed
 from .kv_store import KVStore
 from .sequence import FinishReason, Sequence, SequenceStatus
 

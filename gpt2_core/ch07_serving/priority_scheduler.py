@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..ch5_sharing.chunked_prefill import ChunkedPrefillScheduler, ChunkedSchedulerOutput
+from ..ch05_sharing.chunked_prefill import ChunkedPrefillScheduler, ChunkedSchedulerOutput
 from ..errors import InvalidInputError, is_integer, is_real
-from ..ch3_batching.sequence import Request, Sequence
+from ..ch03_batching.sequence import Request, Sequence
 
 MAX_ABS_PRIORITY = 1_000_000
 

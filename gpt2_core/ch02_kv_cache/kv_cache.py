@@ -14,9 +14,9 @@ import numpy as np
 
 from ..loading.config import GPT2Config
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
-from ..ch1_forward.generation import check_generation, positions_needed
-from ..ch1_forward.model import attention, embed, layer_norm, linear, lm_head, merge_heads, mlp, split_qkv
-from ..ch1_forward.sampling import Sampler, SamplingParams
+from ..ch01_forward.generation import check_generation, positions_needed
+from ..ch01_forward.model import attention, embed, layer_norm, linear, lm_head, merge_heads, mlp, split_qkv
+from ..ch01_forward.sampling import Sampler, SamplingParams
 from ..loading.weights import GPT2Model
 
 

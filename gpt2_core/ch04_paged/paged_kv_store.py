@@ -17,8 +17,8 @@ import numpy as np
 from .block_manager import BlockManager, blocks_needed
 from ..loading.config import GPT2Config
 from ..errors import CacheCapacityError, InvalidInputError, is_integer, is_real
-from ..ch2_kv_cache.kv_cache import kv_cache_bytes
-from ..ch3_batching.kv_store import KVStore, claimed_zeros
+from ..ch02_kv_cache.kv_cache import kv_cache_bytes
+from ..ch03_batching.kv_store import KVStore, claimed_zeros
 
 
 def slot_indices(block_table, num_tokens: int, block_size: int) -> np.ndarray:

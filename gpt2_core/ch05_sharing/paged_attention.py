@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheCapacityError
-from ..ch4_paged.paged_kv_store import PagedKVStore
+from ..ch04_paged.paged_kv_store import PagedKVStore
 
 
 def contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:

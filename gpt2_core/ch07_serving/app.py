@@ -34,9 +34,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..ch4_paged.block_manager import blocks_needed
-from ..ch5_sharing.caching_engine import CachingLLMEngine
-from ..ch5_sharing.prefix_cache import PrefixCachingKVStore
+from ..ch04_paged.block_manager import blocks_needed
+from ..ch05_sharing.caching_engine import CachingLLMEngine
+from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
 from .priority_scheduler import PriorityScheduler
 from .engine_loop import EngineLoop, Job
 from .metrics import ServerMetrics

@@ -19,8 +19,8 @@ import numpy as np
 
 from ..loading.config import GPT2Config
 from ..errors import CacheCapacityError, InvalidInputError, is_integer, is_real
-from ..ch3_batching.kv_store import KVStore, claimed_zeros
-from ..ch4_paged.paged_kv_store import PagedKVStore
+from ..ch03_batching.kv_store import KVStore, claimed_zeros
+from ..ch04_paged.paged_kv_store import PagedKVStore
 
 KV_FORMATS = ("fp32", "fp16", "int8")
 

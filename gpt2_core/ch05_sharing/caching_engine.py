@@ -23,15 +23,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..ch4_paged.block_manager import blocks_needed
+from ..ch04_paged.block_manager import blocks_needed
 from .chunked_prefill import ChunkedPrefillScheduler
-from ..ch3_batching.engine import LLMEngine, RequestOutput
+from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
-from ..ch3_batching.model_runner import Chunk, ragged_forward
+from ..ch03_batching.model_runner import Chunk, ragged_forward
 from .prefix_cache import PrefixCachingKVStore
-from ..ch1_forward.sampling import Sampler
-from ..ch3_batching.scheduler import check_limits
-from ..ch3_batching.sequence import Request, Sequence, SequenceStatus
+from ..ch01_forward.sampling import Sampler
+from ..ch03_batching.scheduler import check_limits
+from ..ch03_batching.sequence import Request, Sequence, SequenceStatus
 from ..loading.weights import GPT2Model
 
 

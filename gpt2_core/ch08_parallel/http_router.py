@@ -2,7 +2,7 @@
 
 Each replica is a whole server with its own engine and its own prefix cache (chapter 5). The router proxies
 ``/v1/completions`` (streamed or whole, statuses and error bodies passed through) to one of them, chosen by a policy
-of ``gpt2_core.ch8_parallel.routing``: ``round_robin`` or the cache-aware ``prefix_affinity``.
+of ``gpt2_core.ch08_parallel.routing``: ``round_robin`` or the cache-aware ``prefix_affinity``.
 
 A replica that refuses connections, drops a request or fails its health probe (every second) is taken out of
 rotation: its requests in flight get a 502 (or, streaming, an error event that ends the stream) naming it, never a
@@ -37,8 +37,8 @@ from starlette.routing import Route
 
 from ..errors import InvalidInputError
 from .routing import block_hashes, make_policy
-from ..ch7_serving.metrics import RouterMetrics
-from ..ch7_serving.protocol import BadRequest
+from ..ch07_serving.metrics import RouterMetrics
+from ..ch07_serving.protocol import BadRequest
 
 log = logging.getLogger("gpt2_core.router")
 
@@ -318,8 +318,8 @@ def make_router_app(urls: list[str], policy: str = "prefix_affinity", **router_a
 def route_main(args) -> int:
     """``python -m gpt2_core route``: start ``--replicas`` servers if asked, bind, print where it listens, route
     until SIGTERM/Ctrl-C, then stop the servers it started."""
-    from ..ch7_serving.app import listen, run_app
-    from ..ch7_serving.launch import start_servers
+    from ..ch07_serving.app import listen, run_app
+    from ..ch07_serving.launch import start_servers
 
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     if args.replicas < 0 or not (args.replicas or args.replica):
