@@ -121,11 +121,12 @@ def test_chat_parameters(client, model):
     for t in content:
         assert t.logprob <= 0 and bytes(t.bytes).decode() == t.token and 1 <= len(t.top_logprobs) <= 3
         assert max(a.logprob for a in t.top_logprobs) == pytest.approx(t.logprob)
-    rest = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
-                                          temperature=0)
-    prompt = rest.usage.prompt_tokens
-    assert rest.usage.completion_tokens == greedy(model, chat_ids(model, [{"role": "user", "content": "Hello"}]),
-                                                  256 - prompt)[1]
+    long = [{"role": "user", "content": "Emma Woodhouse, handsome, clever, and rich. " * 21}]
+    ids = chat_ids(model, long)
+    assert 200 < len(ids) < 250  # a reply of at most 256 - len(ids) tokens: a short test
+    rest = client.chat.completions.create(model=MODEL, messages=long, temperature=0)
+    assert rest.usage.prompt_tokens == len(ids)
+    assert (rest.choices[0].message.content, rest.usage.completion_tokens) == greedy(model, ids, 256 - len(ids))
 
 
 BAD_CHAT = [({"messages": []}, "messages"), ({"messages": [{"role": "bot", "content": "x"}]}, "messages"),
