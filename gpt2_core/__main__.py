@@ -78,7 +78,8 @@ def _bench(args) -> int:
     from .a1_cpu_kernels import keep_freed_memory
 
     keep_freed_memory()  # this process only: every strategy timed with the same allocator (the appendix)
-    run_benchmark(args.name, json_path=args.json, trace=args.trace, quick=args.quick, base_url=args.base_url)
+    run_benchmark(args.name, json_path=args.json, trace=args.trace, quick=args.quick, base_url=args.base_url,
+                  goodput=args.goodput)
     return 0
 
 
@@ -136,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "rather than 1-15 minutes (GPT2_QUICK=1 does the same)")
     b.add_argument("--base-url", default=None, help="serve: load an OpenAI-compatible server already running there "
                                                     "(e.g. http://127.0.0.1:8000/v1) instead of starting this one")
+    b.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="serve: SLOs as vLLM's benchmark takes them (ttft, tpot, e2el in milliseconds, e.g. "
+                        "--goodput ttft:500 tpot:50): also report goodput, the completed requests per second that "
+                        "met all of them, and the fraction of requests that did")
     b.set_defaults(func=_bench)
 
     s = sub.add_parser("serve", help="serve the engine over HTTP: OpenAI-compatible /v1/completions, /metrics "

@@ -18,7 +18,7 @@ from .paged import bench_paged
 from .parallel import bench_parallel
 from .prefix import bench_prefix
 from .quant import bench_quant
-from .serve import bench_serve
+from .serve import bench_serve, summary_line
 
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
@@ -46,7 +46,8 @@ def announce(name: str, quick: bool, stream=None) -> None:
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
-                  threads: int | None = None, base_url: str | None = None, progress_stream=None) -> dict:
+                  threads: int | None = None, base_url: str | None = None, goodput: list[str] | None = None,
+                  progress_stream=None) -> dict:
     """Run benchmark ``name`` as ``python -m gpt2_core bench`` does: its progress on ``progress_stream``
     (stderr), its summary on stdout, its results in ``json_path``."""
     if name not in BENCHMARKS:
@@ -54,6 +55,8 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
     if trace is not None and "trace" not in inspect.signature(BENCHMARKS[name]).parameters:
         takes = [n for n, fn in BENCHMARKS.items() if "trace" in inspect.signature(fn).parameters]
         raise InvalidInputError(f"--trace applies to {' and '.join(takes)}, not to {name!r}")
+    if goodput and name != "serve":
+        raise InvalidInputError(f"--goodput applies to serve, not to {name!r}")
     if base_url is not None and name != "serve":
         raise InvalidInputError(f"--base-url applies to serve, not to {name!r}")
     if json_path and not is_writable_file(json_path):
@@ -67,6 +70,8 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
             kwargs["trace"] = trace
         if base_url is not None:
             kwargs["base_url"] = base_url
+        if goodput:
+            kwargs["goodput"] = goodput
         out = {"machine": machine_info(), **BENCHMARKS[name](**kwargs)}
     text = json.dumps(out, indent=2, default=float)
     if json_path:
@@ -92,6 +97,8 @@ def _print_summary(out: dict) -> None:
         if r.get("hit_rate") is not None:  # a serving record (bench parallel's router arms)
             w(f"  {'':16s} prefix-cache hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_s']:.3f} s, "
               f"p99 {r['ttft_p99_s']:.3f} s\n")
+        if out["benchmark"] == "serve":  # its latencies, and goodput when --goodput set SLOs
+            w(summary_line(r))
     for r in out.get("bubble", []):
         w(f"  pipeline bubble, {r['micro_batches']} micro-batches: measured {r['bubble_measured']:.3f}, "
           f"(p-1)/(m+p-1) = {r['bubble_ideal']:.3f}\n")

@@ -8,6 +8,11 @@ refused with 429 and how fast the refusal came. A quarter of the requests are ur
 their TTFT beside the others' shows what priority scheduling buys. The server's resident memory
 (``process_resident_memory_bytes`` from ``/metrics``) before the rates and after 2x shows whether it leaks.
 
+``--goodput ttft:500 tpot:50`` (vLLM's flag; milliseconds; ``e2el`` too) adds **goodput** as vLLM defines it: the
+completed requests that met every SLO given, per second, beside the throughput; and the **SLO attainment**, the
+fraction of all the requests sent that did (DistServe's measure; a refused request misses its SLOs). TPOT is a
+request's time per output token after the first, (end-to-end - TTFT) / (tokens - 1).
+
 Without ``--base-url`` it starts ``python -m gpt2_core serve`` (the embedded model, the appendix's kernels) on a
 free loopback port and stops it at the end. With ``--base-url http://host:port/v1`` the same client and workload
 load any OpenAI-compatible server (vLLM, SGLang, llama.cpp's server): compare a production engine with this one on
@@ -29,6 +34,7 @@ from . import progress
 
 URGENT_FRACTION = 0.25
 RATE_MULTIPLES = (0.5, 1.0, 1.5, 2.0)
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # vLLM's --goodput names: time to first token, per output token, end to end
 
 
 def prompts(n: int, words: tuple[int, int], seed: int = 0) -> list[str]:
@@ -131,7 +137,7 @@ async def capacity(client: Client, texts: list[str], concurrency: int, seconds: 
             "requests_per_s": len(ok) / wall, "tokens_per_s": sum(r["tokens"] for r in ok) / wall}
 
 
-async def at_rate(client: Client, texts: list[str], rate: float, seconds: float, seed: int,
+async def at_rate(client: Client, texts: list[str], rate: float, seconds: float, seed: int, slos: dict | None,
                   drain_s: float) -> tuple[dict, list]:
     """Poisson arrivals at ``rate`` per second for ``seconds``; then wait (at most ``drain_s``) for every answer."""
     rng = np.random.default_rng(seed)
@@ -150,10 +156,59 @@ async def at_rate(client: Client, texts: list[str], rate: float, seconds: float,
         task.cancel()
     records = [task.result() for task in tasks if task in finished]
     wall = time.perf_counter() - start
-    return summarize(records, len(tasks), len(pending), rate, sent_s, wall), records
+    return summarize(records, len(tasks), len(pending), rate, sent_s, wall, slos), records
 
 
-def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: float, wall: float) -> dict:
+def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
+    """vLLM's ``--goodput ttft:500 tpot:50`` (milliseconds) -> ``{"ttft": 0.5, "tpot": 0.05}`` (seconds)."""
+    slos = {}
+    for pair in pairs or []:
+        name, _, value = pair.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = float("nan")
+        if name not in GOODPUT_METRICS or not ms >= 0 or name in slos:
+            raise InvalidInputError(f"--goodput {pair!r}: give each SLO once as NAME:MILLISECONDS, NAME one of "
+                                    f"{', '.join(GOODPUT_METRICS)} and a number >= 0 (e.g. --goodput ttft:500 tpot:50)")
+        slos[name] = ms / 1000
+    return slos
+
+
+def request_slo_values(rec: dict) -> dict[str, float]:
+    """A completed request's TTFT, TPOT and end-to-end latency (seconds), as vLLM's benchmark measures them: TPOT
+    is the time per output token after the first, (e2e - TTFT) / (tokens - 1), and 0 for a one-token answer; a
+    request that streamed no text has its TTFT at its end."""
+    tokens = rec["tokens"] or (len(rec["itl_s"]) + 1 if rec["ttft_s"] is not None else 0)
+    ttft = rec["ttft_s"] if rec["ttft_s"] is not None else rec["e2e_s"]
+    tpot = (rec["e2e_s"] - ttft) / (tokens - 1) if tokens > 1 else 0.0
+    return {"ttft": ttft, "tpot": tpot, "e2el": rec["e2e_s"]}
+
+
+def goodput(completed: list, sent: int, wall: float, slos: dict[str, float]) -> dict:
+    """Goodput as vLLM defines it: completed requests that met every SLO given (each value <= its limit) per second
+    of the run; and SLO attainment, the fraction of the requests sent that did (a refused or lost one did not)."""
+    good = sum(all(request_slo_values(r)[k] <= limit for k, limit in slos.items()) for r in completed)
+    return {"good_requests": good, "goodput_requests_per_s": good / wall if wall else 0.0,
+            "slo_attainment": good / sent if sent else None}
+
+
+def summary_line(r: dict) -> str:
+    """A rate's latencies and goodput on one line of ``bench serve``'s printed summary."""
+    def ms(key: str) -> str:
+        return "n/a" if r.get(key) is None else f"{1e3 * r[key]:.0f} ms"
+
+    line = (f"  {'':16s} TTFT p50 {ms('ttft_p50_s')}, p99 {ms('ttft_p99_s')}; ITL p50 {ms('itl_p50_s')}, "
+            f"p99 {ms('itl_p99_s')}")
+    if "goodput_requests_per_s" in r:
+        attained = "n/a" if r["slo_attainment"] is None else f"{100 * r['slo_attainment']:.1f}%"
+        line += (f"; goodput {r['goodput_requests_per_s']:.2f} req/s of {r['requests_per_s']:.2f} "
+                 f"(SLO attainment {attained})")
+    return line + "\n"
+
+
+def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: float, wall: float,
+              slos: dict[str, float] | None = None) -> dict:
     ok = [r for r in records if r["status"] == 200 and r.get("complete")]
     accepted = [r for r in records if r["status"] == 200] + [None] * unanswered
     rejected = [r for r in records if r["status"] in (429, 503)]
@@ -164,22 +219,27 @@ def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: fl
     urgent = [r["ttft_s"] for r in ok if r["priority"] == 0 and r["ttft_s"] is not None]
     rest = [r["ttft_s"] for r in ok if r["priority"] != 0 and r["ttft_s"] is not None]
     reject_s = [r["e2e_s"] for r in rejected]
-    return {"request_rate": rate, "sent": sent, "sent_over_s": sent_s, "wall_s": wall, "accepted": len(accepted),
-            "completed": len(ok), "lost": len(accepted) - len(ok), "rejected": len(rejected),
-            "other_errors": sum(r["status"] not in (200, 429, 503) for r in records),
-            "output_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
-            "requests_per_s": len(ok) / wall if wall else 0.0,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
-            "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
-            "reject_latency_p99_s": percentile(reject_s, 99), "reject_latency_max_s": max(reject_s, default=None),
-            "urgent_ttft_p50_s": percentile(urgent, 50), "rest_ttft_p50_s": percentile(rest, 50),
-            "urgent_requests": len(urgent), "rest_requests": len(rest),
-            "urgent_ttft_speedup": (statistics.median(rest) / statistics.median(urgent)
-                                    if urgent and rest and statistics.median(urgent) > 0 else None)}
+    tpot = [request_slo_values(r)["tpot"] for r in ok]
+    out = {"request_rate": rate, "sent": sent, "sent_over_s": sent_s, "wall_s": wall, "accepted": len(accepted),
+           "completed": len(ok), "lost": len(accepted) - len(ok), "rejected": len(rejected),
+           "other_errors": sum(r["status"] not in (200, 429, 503) for r in records),
+           "output_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
+           "requests_per_s": len(ok) / wall if wall else 0.0,
+           "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+           "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+           "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+           "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+           "reject_latency_p99_s": percentile(reject_s, 99), "reject_latency_max_s": max(reject_s, default=None),
+           "urgent_ttft_p50_s": percentile(urgent, 50), "rest_ttft_p50_s": percentile(rest, 50),
+           "urgent_requests": len(urgent), "rest_requests": len(rest),
+           "urgent_ttft_speedup": (statistics.median(rest) / statistics.median(urgent)
+                                   if urgent and rest and statistics.median(urgent) > 0 else None)}
+    if slos:
+        out.update(goodput(ok, sent, wall, slos))
+    return out
 
 
-async def run_load(base_url: str, model: str, quick: bool, num_seqs: int) -> dict:
+async def run_load(base_url: str, model: str, quick: bool, num_seqs: int, slos: dict | None = None) -> dict:
     max_tokens = 16 if quick else 64
     duration_s = 2.5 if quick else 60.0
     texts = prompts(64 if quick else 512, (8, 24) if quick else (16, 64), seed=0)
@@ -193,7 +253,7 @@ async def run_load(base_url: str, model: str, quick: bool, num_seqs: int) -> dic
         rss_before = await client.metric("process_resident_memory_bytes")
         rates = []
         for i, multiple in enumerate(RATE_MULTIPLES):
-            summary, _ = await at_rate(client, texts, multiple * cap["requests_per_s"], duration_s, seed=1 + i,
+            summary, _ = await at_rate(client, texts, multiple * cap["requests_per_s"], duration_s, 1 + i, slos,
                                        drain_s=30.0 if quick else 300.0)
             rates.append({"method": f"rate_{multiple}x", "rate_multiple": multiple, "batch": num_seqs, **summary})
             progress.advance(70, f"Poisson arrivals at {multiple}x capacity done")
@@ -204,7 +264,7 @@ async def run_load(base_url: str, model: str, quick: bool, num_seqs: int) -> dic
     workload = {"prompts": "windows of the held-out Austen chapters", "prompt_words": [8, 24] if quick else [16, 64],
                 "max_tokens": max_tokens, "temperature": 0, "duration_s_per_rate": duration_s,
                 "rate_multiples_of_capacity": list(RATE_MULTIPLES), "urgent_fraction": URGENT_FRACTION,
-                "arrivals": "Poisson, seeded"}
+                "arrivals": "Poisson, seeded", "goodput_slos_ms": {k: 1000 * v for k, v in (slos or {}).items()}}
     growth = (rss_after - rss_before) / rss_before if rss_before and rss_after else None
     by = {r["rate_multiple"]: r for r in rates}
     return {"workload": workload, "capacity": cap, "results": rates,
@@ -216,8 +276,11 @@ async def run_load(base_url: str, model: str, quick: bool, num_seqs: int) -> dic
                                                     if r["reject_latency_max_s"] is not None), default=None)}}
 
 
-def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: int = 16) -> dict:
-    """The load benchmark (see the module's docstring); ``base_url`` to load a server already running."""
+def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: int = 16,
+                goodput: list[str] | None = None) -> dict:
+    """The load benchmark (see the module's docstring); ``base_url`` to load a server already running; ``goodput``
+    the SLOs of vLLM's ``--goodput`` (``["ttft:500", "tpot:50"]``, milliseconds) to count goodput against."""
+    slos = parse_goodput(goodput)
     if base_url is not None and not re.match(r"^https?://[^/]+(/.*)?$", base_url):
         raise InvalidInputError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
     progress.plan(10 + 10 + 15 + 70 * len(RATE_MULTIPLES), "starting the server")  # units: rough seconds, full size
@@ -233,7 +296,7 @@ def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: 
         models = httpx.get(base_url.rstrip("/") + "/models", timeout=30).json()["data"]
         progress.advance(10, "warming up")
         model = models[0]["id"]
-        out = asyncio.run(run_load(base_url, model, quick, max_num_seqs))
+        out = asyncio.run(run_load(base_url, model, quick, max_num_seqs, slos))
     finally:
         code = server.stop() if server is not None else None
     return {"benchmark": "serve", "quick": quick, "model": model,

@@ -1,5 +1,7 @@
 """The HTTP server: an OpenAI-compatible ``/v1/completions`` (streamed as server-sent events, or whole),
-``/v1/models``, ``/health`` and Prometheus ``/metrics``, on Starlette + uvicorn, over one ``EngineLoop``.
+``/v1/models``, ``/health`` and Prometheus ``/metrics``, on Starlette + uvicorn, over one ``EngineLoop``; with
+``/v1/chat/completions`` (``chat``), ``/tokenize``, ``/detokenize``, ``/version``, ``/v1/models/{id}``
+(``utility_routes``), and every HTTP request counted (``http_metrics``).
 
 ``python -m gpt2_core serve`` runs it (``serve_main``); ``make_app`` builds the ASGI app for any other ASGI
 server or a test.
@@ -37,10 +39,13 @@ from starlette.routing import Route
 from ..ch04_paged.block_manager import blocks_needed
 from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
+from .chat import ChatCompletions
+from .http_metrics import HTTPMetrics
 from .priority_scheduler import PriorityScheduler
 from .engine_loop import EngineLoop, Job
 from .metrics import ServerMetrics
 from .protocol import BadRequest, CompletionRequest, completion_id, parse_completion
+from .utility_routes import UtilityRoutes
 
 DISCONNECT_POLL_S = 0.25  # how often a handler waiting for its next token checks that its client is still there
 
@@ -249,7 +254,10 @@ def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: in
 
     app = Starlette(routes=[
         Route("/health", server.health), Route("/v1/models", server.models), Route("/metrics", server.metrics_text),
-        Route("/v1/completions", server.completions, methods=["POST"])], lifespan=lifespan)
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", ChatCompletions(server).create, methods=["POST"]),
+        *UtilityRoutes(server).routes()], lifespan=lifespan)
+    app.add_middleware(HTTPMetrics, metrics=server.metrics, routes=app.routes)  # outermost: every answer counted
     app.state.server = server
     return app
 

@@ -237,6 +237,8 @@ class EngineLoop:
     def _done(self, job: Job, samples: list) -> None:
         for seq in samples:
             self.metrics.observe(seq)
+        r = job.request
+        self.metrics.observe_request(len(r.prompt_token_ids), sum(job.sent), r.n, r.max_tokens)
         self.metrics.finish(samples[0].finish_reason.value if samples else FinishReason.ERROR.value)
         self.engine.release_request(job.request_id)
         del self.active[job.request_id]

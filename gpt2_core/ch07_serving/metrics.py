@@ -17,6 +17,8 @@ except ImportError:  # older prometheus_client: it has them, harmlessly
 # Seconds: from a few milliseconds (a decode step of the small model) to minutes (a queue at twice capacity).
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                    7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+# Counts (tokens, n, max_tokens): vLLM's 1-2-5 series, up to 100,000.
+SIZE_BUCKETS = tuple(m * 10**e for e in range(5) for m in (1, 2, 5)) + (100_000,)
 
 
 class ServerMetrics:
@@ -48,8 +50,37 @@ class ServerMetrics:
                                 [*labels, "finished_reason"], registry=r)
         self.rejected = Counter("gpt2_requests_rejected", "Requests refused before reaching the engine, by reason "
                                 "(invalid: 400/404; queue_full: 429)", [*labels, "reason"], registry=r)
+        sizes = lambda name, doc: Histogram(name, doc, list(labels), buckets=SIZE_BUCKETS,  # noqa: E731
+                                            registry=r).labels(**labels)
+        self.request_prompt_tokens = sizes("gpt2_request_prompt_tokens", "Prompt tokens per finished request")
+        self.request_generation_tokens = sizes("gpt2_request_generation_tokens",
+                                               "Tokens generated per finished request (all its samples)")
+        self.request_params_n = sizes("gpt2_request_params_n", "The n (samples) of each finished request")
+        self.request_params_max_tokens = sizes("gpt2_request_params_max_tokens",
+                                               "The max_tokens of each finished request")
+        self.prefill_time = hist("gpt2_request_prefill_time_seconds", "First scheduled to first token")
+        self.decode_time = hist("gpt2_request_decode_time_seconds", "First token to last token")
+        self.inference_time = hist("gpt2_request_inference_time_seconds", "First scheduled to last token")
+        self.http_requests = Counter("gpt2_http_requests", "HTTP requests answered, by method, handler (the route's "
+                                     "path; 'other': no route) and status code",
+                                     [*labels, "method", "handler", "status"], registry=r)
+        self.http_latency = Histogram("gpt2_http_request_duration_seconds", "HTTP request to the last byte of its "
+                                      "response, by method and handler", [*labels, "method", "handler"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self._labels = labels
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+
+    def observe_http(self, method: str, handler: str, status: int, seconds: float) -> None:
+        """One HTTP request answered (``http_metrics.HTTPMetrics`` calls it)."""
+        self.http_requests.labels(**self._labels, method=method, handler=handler, status=str(status)).inc()
+        self.http_latency.labels(**self._labels, method=method, handler=handler).observe(seconds)
+
+    def observe_request(self, prompt_tokens: int, generation_tokens: int, n: int, max_tokens: int) -> None:
+        """One finished request's sizes (the engine's thread calls it as the request leaves the engine)."""
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.request_params_n.observe(n)
+        self.request_params_max_tokens.observe(max_tokens)
 
     def finish(self, reason: str) -> None:
         self.finished.labels(**self._labels, finished_reason=reason).inc()
@@ -86,6 +117,10 @@ class ServerMetrics:
             self.e2e.observe(m.e2e_latency)
         if m.queue_time is not None:
             self.queue_time.observe(m.queue_time)
+        if m.first_scheduled_time is not None and m.token_times:
+            self.prefill_time.observe(m.token_times[0] - m.first_scheduled_time)
+            self.decode_time.observe(m.token_times[-1] - m.token_times[0])
+            self.inference_time.observe(m.token_times[-1] - m.first_scheduled_time)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,14 +1,16 @@
-"""Text <-> token ids with HuggingFace ``tokenizers`` (GPT-2's byte-level BPE, or the embedded model's own)."""
+"""Text <-> token ids with HuggingFace ``tokenizers`` (GPT-2's byte-level BPE, or the embedded model's own), and the
+chat template and special tokens of the folder it came from (``tokenizer_config.json``)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import CheckpointError, InvalidInputError, is_integer
+from ..errors import BAD_JSON, CheckpointError, InvalidInputError, is_integer
 
 EOT = "<|endoftext|>"
 
@@ -19,12 +21,28 @@ class Tokenizer:
     ``<|endoftext|>`` written in the text is read as the special token (as HF does), so documents can be joined
     with it. Byte-level BPE can split one character over several tokens, so streamed text is decoded with
     ``decode_stream``, which holds bytes back until they form whole characters.
+
+    ``chat_template`` is the model's Jinja2 chat format (None when its folder has none) and ``special_tokens`` the
+    special tokens a template sees (``{"bos_token": ..., "eos_token": ...}``), both read from the folder's
+    ``tokenizer_config.json`` by ``tokenizer_for_directory``; ``apply_chat_template`` renders a conversation.
     """
 
-    def __init__(self, hf_tokenizer, source: str = ""):
+    def __init__(self, hf_tokenizer, source: str = "", chat_template: str | None = None,
+                 special_tokens: dict | None = None):
         self.hf = hf_tokenizer
         self.source = source
         self.eos_token_id = self.hf.token_to_id(EOT)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation (``[{"role": ..., "content": ...}, ...]``), rendered with the model's
+        chat template as transformers' ``apply_chat_template(..., tokenize=False)`` renders it; a
+        ``TemplateError`` (an ``InvalidInputError``) if the model has no template or the template refuses."""
+        from .chat_template import apply_chat_template
+
+        return apply_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                   **self.special_tokens)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":
@@ -104,6 +122,8 @@ class MissingTokenizer:
     ``AttributeError`` on ``None``. False in a boolean test. Token ids work without it."""
 
     eos_token_id = None
+    chat_template = None
+    special_tokens: dict = {}
 
     def __init__(self, reason: str):
         self.reason = reason
@@ -112,7 +132,7 @@ class MissingTokenizer:
     def _fail(self, *args, **kwargs):
         raise CheckpointError(self.reason)
 
-    encode = decode = decode_stream = _fail
+    encode = decode = decode_stream = apply_chat_template = _fail
 
     @property
     def vocab_size(self) -> int:
@@ -125,10 +145,47 @@ class MissingTokenizer:
         return f"MissingTokenizer({self.reason!r})"
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 def tokenizer_for_directory(directory: Path) -> Tokenizer | None:
-    """The tokenizer stored beside a checkpoint: ``tokenizer.json``, else ``vocab.json`` + ``merges.txt``."""
+    """The tokenizer stored beside a checkpoint: ``tokenizer.json``, else ``vocab.json`` + ``merges.txt``; with the
+    folder's chat template and special tokens (``read_chat_settings``)."""
     if (directory / "tokenizer.json").is_file():
-        return Tokenizer.from_file(directory / "tokenizer.json")
-    if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
-        return Tokenizer.from_vocab_merges(directory / "vocab.json", directory / "merges.txt")
-    return None
+        tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
+    elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        tokenizer = Tokenizer.from_vocab_merges(directory / "vocab.json", directory / "merges.txt")
+    else:
+        return None
+    tokenizer.chat_template, tokenizer.special_tokens = read_chat_settings(directory)
+    return tokenizer
+
+
+def read_chat_settings(directory: Path) -> tuple[str | None, dict]:
+    """(the chat template, the special tokens a template sees) of a checkpoint folder, as transformers reads them:
+    ``chat_template.jinja`` if present (where transformers saves a template since 4.49), else ``chat_template`` in
+    ``tokenizer_config.json`` (a string, or a list of named templates whose ``default`` is used); special tokens
+    are strings or ``{"content": ...}`` objects there. (None, {}) for a folder without that file."""
+    file, config = directory / "tokenizer_config.json", {}
+    if file.is_file():
+        try:
+            config = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, *BAD_JSON) as e:
+            raise CheckpointError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    if (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{file}: chat_template must be text (a Jinja2 template), got {type(template).__name__}")
+    special = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            special[name] = value
+    return template or None, special
