@@ -17,11 +17,12 @@ from .parallel import bench_parallel
 from .prefix import bench_prefix
 from .quant import bench_quant
 from .serve import bench_serve
+from .spec import bench_spec
 
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
               "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant,
-              "parallel": bench_parallel, "serve": bench_serve, "capstone": bench_capstone}
+              "parallel": bench_parallel, "serve": bench_serve, "capstone": bench_capstone, "spec": bench_spec}
 
 
 def run_benchmark(name: str, json_path: str | None = None, trace: str | None = None, quick: bool = False,
@@ -59,6 +60,9 @@ def _print_summary(out: dict) -> None:
       f"load {out['machine']['load_average_1min']})\n")
     if out["benchmark"] == "capstone":
         _print_capstone(out)
+        return
+    if out["benchmark"] == "spec":
+        _print_spec(out)
         return
     for r in out["results"]:
         extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
@@ -112,5 +116,28 @@ def _print_capstone(out: dict) -> None:
     for p in out["sweep"]:
         w(f"  sweep {p['prompt_len']:4d} + {p['new_tokens']:4d}: final {p['final_tokens_per_s']:7.1f} tok/s, naive "
           f"{p['naive_tokens_per_s']:6.2f} tok/s, span {p['span']:6.1f}x\n")
+    for k, v in out["targets_met"].items():
+        w(f"  target {k}: {v}\n")
+
+
+def _print_spec(out: dict) -> None:
+    """Chapter 10's tables: the verify cost, the speed-ups, the draft's cost and the embedded model's acceptance."""
+    w = sys.stdout.write
+    for r in out["results"]:
+        w(f"  {r['method']:13s} batch {r['batch']:>3} {r['tokens_per_s']:8.2f} tok/s" +
+          (f"  alpha {r['alpha']:.2f} k={r['k']}: {r['tokens_per_pass']:.2f} tokens/pass (formula {r['formula']:.2f})"
+           if r["method"] == "oracle" else "") +
+          (f"  speed-up {r['speedup']:.2f}x" if "speedup" in r else "") +
+          (f" (formula {r['predicted_speedup']:.2f}x)" if "predicted_speedup" in r else "") + "\n")
+    w(f"  ({out['note']})\n  verify pass of k + 1 positions, in decode steps: " +
+      ", ".join(f"k={r['k']}: {r['decode_steps']:.2f}" for r in out["verify_cost"]) + "\n")
+    for r in out["draft_cost"]:
+        w(f"  draft {r['draft']}: a step costs {r['draft_cost_in_target_steps']:.2f} target steps; with alpha "
+          f"{r['alpha']:.2f}, k={r['k']} the formula predicts {r['predicted_speedup']:.2f}x\n")
+    for r in out["embedded"]:
+        w(f"  embedded {r['workload']:10s} {r['drafter']:10s} alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} "
+          f"tokens/pass, speed-up {r['speedup']:.2f}x, identical {r['identical_to_greedy']}\n")
+    for k, v in out["ratios"].items():
+        w(f"  {k}: {v:.2f}\n")
     for k, v in out["targets_met"].items():
         w(f"  target {k}: {v}\n")
