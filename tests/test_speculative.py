@@ -38,7 +38,18 @@ from gpt2_core.errors import InvalidInputError
 
 CFG = GPT2Config(vocab_size=101, n_positions=512, n_embd=24, n_head=3, n_layer=2, eos_token_id=100)
 TARGET = tiny_model(seed=0, config=CFG)
-BAD_DRAFT = tiny_model(seed=7, config=CFG)  # another model of the same vocabulary: a deliberately bad drafter
+
+
+def noisy_copy(model_seed: int, scale: float, seed: int):
+    """The target's weights plus Gaussian noise: a deliberately bad draft model (half its drafts are rejected)."""
+    out = tiny_model(seed=model_seed, config=CFG)
+    rng = np.random.default_rng(seed)
+    for a in out.state_dict().values():
+        a += (rng.standard_normal(a.shape) * scale).astype(np.float32)
+    return out
+
+
+BAD_DRAFT = noisy_copy(0, 0.05, 7)
 EMBEDDED = gpt2_core.load_model()
 EMBEDDED_INT8 = quantize_model(EMBEDDED, "int8")  # the draft: the same model in chapter 6's int8 (numpy kernel)
 TEXTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever, and rich",
@@ -273,7 +284,7 @@ def test_sampled_generate_follows_the_targets_distribution(drafter):
     second = {}
     for (_, t, _), mass in exact.items():
         second[t] = second.get(t, 0.0) + mass
-    n, counts, drafts = 3000, {}, SpecStats()
+    n, counts, drafts = 2000, {}, SpecStats()
     d = DraftModelDrafter(BAD_DRAFT) if drafter == "bad draft" else Guess([max(second, key=second.get)])
     for seed in range(n):
         out = speculative.generate(TARGET, PROMPT, 3, temperature=1.0, top_k=3, seed=seed, stop_at_eos=False,
@@ -285,7 +296,7 @@ def test_sampled_generate_follows_the_targets_distribution(drafter):
 
 def test_sampled_engine_follows_the_targets_distribution_and_repeats_for_a_seed():
     exact = exact_first_tokens(3)
-    n = 6000
+    n = 4000
     reqs = [Request(i, PROMPT, max_new_tokens=3, sampling_params=SamplingParams(1.0, 3, seed=i), stop_at_eos=False)
             for i in range(n)]
     drafter = DraftModelDrafter(BAD_DRAFT, num_blocks=300, block_size=4)

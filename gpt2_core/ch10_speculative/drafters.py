@@ -92,15 +92,17 @@ def common_prefix(a: list, b: list) -> int:
 class DraftModelDrafter:
     """A draft model proposes k tokens autoregressively: one ragged step over all sequences per draft token, over
     its own KV store. ``forward(model, store, chunks) -> [B, V]``: chapter 3's ``ragged_forward`` by default (a
-    model of another architecture brings its own). ``num_blocks``: the draft store's blocks of ``block_size``
-    tokens (default: room for 4 full contexts)."""
+    model of another architecture brings its own, and its ``store``: anything with a ``SpeculativeKVStore``'s
+    methods). ``num_blocks``: the default store's blocks of ``block_size`` tokens (default: 4 full contexts)."""
 
     def __init__(self, draft_model: GPT2Model, num_blocks: int | None = None, block_size: int = 16,
-                 forward=ragged_forward):
+                 forward=ragged_forward, store=None):
         self.model, self.forward = draft_model, forward
-        if num_blocks is None:
-            num_blocks = 4 * blocks_needed(draft_model.config.n_positions, block_size)
-        self.store = SpeculativeKVStore(draft_model.config, num_blocks, block_size)
+        if store is None:
+            if num_blocks is None:
+                num_blocks = 4 * blocks_needed(draft_model.config.n_positions, block_size)
+            store = SpeculativeKVStore(draft_model.config, num_blocks, block_size)
+        self.store = store
         self.fed: dict[object, list[int]] = {}  # key -> the tokens whose K/V the draft store holds, in order
 
     def propose(self, requests: list[DraftRequest]) -> list[Proposal]:
