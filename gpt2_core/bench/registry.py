@@ -137,6 +137,8 @@ def _print_spec(out: dict) -> None:
     for r in out["embedded"]:
         w(f"  embedded {r['workload']:10s} {r['drafter']:10s} alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} "
           f"tokens/pass, speed-up {r['speedup']:.2f}x, identical {r['identical_to_greedy']}\n")
+    w("  tokens per pass, measured / formula (oracle, embedded model): " + ", ".join(
+        f"a={r['alpha']} k={r['k']}: {r['tokens_per_pass']:.2f}/{r['formula']:.2f}" for r in out["formula"]) + "\n")
     for k, v in out["ratios"].items():
         w(f"  {k}: {v:.2f}\n")
     for k, v in out["targets_met"].items():
