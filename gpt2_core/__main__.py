@@ -86,7 +86,14 @@ def _bench(args) -> int:
 def _serve(args) -> int:
     from .ch07_serving.app import serve_main
 
-    return serve_main(args, prepare=None if args.plain else _accelerated)
+    build = None
+    if args.speculative is not None:  # chapter 10's engine: the CLI chooses it, chapter 7 never imports it
+        import functools
+
+        from .ch10_speculative.spec_engine import build_speculative_engine
+
+        build = functools.partial(build_speculative_engine, spec=args.speculative)
+    return serve_main(args, prepare=None if args.plain else _accelerated, build=build)
 
 
 def _accelerated(model):
@@ -130,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run a benchmark (GPT-2 124M-shaped random weights)")
     b.add_argument("name", choices=["kv-cache", "layout", "batching", "paged", "prefix", "padding", "quant",
-                                    "parallel", "serve", "capstone"])
+                                    "parallel", "serve", "capstone", "spec"])
     b.add_argument("--json", default=None, help="write the results here as JSON")
     b.add_argument("--trace", default=None, help="JSONL workload trace (batching, paged, prefix, capstone)")
     b.add_argument("--quick", action="store_true", help="small sizes: a check that it runs, in a minute or two "
@@ -165,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "form with a small model too)")
     s.add_argument("--plain", action="store_true", help="run the chapters' plain NumPy model, without the "
                                                         "appendix's cpu_kernels.accelerate")
+    s.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="speculative decoding (chapter 10): ngram:K (prompt lookup, K tokens a step), ngram:K:N "
+                        "(n-grams of N down to 1), draft:int8:K or draft:int4:K (the model quantized as the drafter)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=_serve)
 

@@ -93,6 +93,10 @@ DELEGATING = {
                      "                     weight_bytes)\n"
                      "    b = C.roofline(w['flops'], w['bytes_read'], sum(n for _, n in lengths), flops_per_s, bytes_per_s)\n"
                      "    return b['bound_tokens_per_s'], b['bound_kind']",
+    "accept_reject": "def accept_reject(draft_tokens, draft_probs, target_probs, rng):\n"
+                     "    return rejection_sample(draft_tokens, draft_probs, target_probs, rng)",
+    "best_k": "def best_num_speculative_tokens(alpha, verify_cost, draft_cost=0.0):\n"
+              "    return max(sorted(verify_cost), key=lambda k: expected_speedup(alpha, k, verify_cost[k], draft_cost))",
     "shortest_over": "def shortest_over(measure, lengths, threshold=100.0):\n"
                      "    for p, n in lengths:  # one at a time, as the visible test wants; the package decides\n"
                      "        if C.shortest_span_over([dict(measure(p, n), prompt_len=p, new_tokens=n)], threshold):\n"

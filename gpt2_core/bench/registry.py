@@ -19,16 +19,18 @@ from .parallel import bench_parallel
 from .prefix import bench_prefix
 from .quant import bench_quant
 from .serve import bench_serve, summary_line
+from .spec import bench_spec
 
 
 BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": bench_batching, "paged": bench_paged,
               "prefix": bench_prefix, "padding": bench_padding, "quant": bench_quant,
-              "parallel": bench_parallel, "serve": bench_serve, "capstone": bench_capstone}
+              "parallel": bench_parallel, "serve": bench_serve, "capstone": bench_capstone, "spec": bench_spec}
 
 # How long each takes on this project's machine (2 cores, nothing else running), in minutes: (full size, --quick).
 # The README's table of benchmarks shows the same figures (tests/test_cli.py checks that they agree).
 MINUTES = {"kv-cache": (3, 1), "layout": (1, 1), "batching": (8, 2), "paged": (9, 1), "prefix": (12, 1),
-           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (6, 1), "capstone": (10, 1)}
+           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (6, 1), "capstone": (10, 1),
+           "spec": (10, 3)}
 
 
 def announce(name: str, quick: bool, stream=None) -> None:
@@ -89,6 +91,9 @@ def _print_summary(out: dict) -> None:
       f"timings)\n")
     if out["benchmark"] == "capstone":
         _print_capstone(out)
+        return
+    if out["benchmark"] == "spec":
+        _print_spec(out)
         return
     for r in out["results"]:
         extra = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("method", "tokens_per_s", "batch") and
@@ -155,3 +160,26 @@ def why_missing(ratio: str) -> str:
     if "numba" in ratio:
         return " (needs numba: the kernels extra)"
     return ""
+def _print_spec(out: dict) -> None:
+    """Chapter 10's tables: the verify cost, the speed-ups, the draft's cost and the embedded model's acceptance."""
+    w = sys.stdout.write
+    for r in out["results"]:
+        w(f"  {r['method']:13s} batch {r['batch']:>3} {r['tokens_per_s']:8.2f} tok/s" +
+          (f"  alpha {r['alpha']:.2f} k={r['k']}: {r['tokens_per_pass']:.2f} tokens/pass (formula {r['formula']:.2f})"
+           if r["method"] == "oracle" else "") +
+          (f"  speed-up {r['speedup']:.2f}x" if "speedup" in r else "") +
+          (f" (formula {r['predicted_speedup']:.2f}x)" if "predicted_speedup" in r else "") + "\n")
+    w(f"  ({out['note']})\n  verify pass of k + 1 positions, in decode steps: " +
+      ", ".join(f"k={r['k']}: {r['decode_steps']:.2f}" for r in out["verify_cost"]) + "\n")
+    for r in out["draft_cost"]:
+        w(f"  draft {r['draft']}: a step costs {r['draft_cost_in_target_steps']:.2f} target steps; with alpha "
+          f"{r['alpha']:.2f}, k={r['k']} the formula predicts {r['predicted_speedup']:.2f}x\n")
+    for r in out["embedded"]:
+        w(f"  embedded {r['workload']:10s} {r['drafter']:10s} alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} "
+          f"tokens/pass, speed-up {r['speedup']:.2f}x, identical {r['identical_to_greedy']}\n")
+    w("  tokens per pass, measured / formula (oracle, embedded model): " + ", ".join(
+        f"a={r['alpha']} k={r['k']}: {r['tokens_per_pass']:.2f}/{r['formula']:.2f}" for r in out["formula"]) + "\n")
+    for k, v in out["ratios"].items():
+        w(f"  {k}: {v:.2f}\n")
+    for k, v in out["targets_met"].items():
+        w(f"  target {k}: {v}\n")

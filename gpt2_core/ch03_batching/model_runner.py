@@ -26,10 +26,12 @@ class Chunk:
     start: int
 
 
-def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.ndarray:
+def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk], logits_indices=None) -> np.ndarray:
     """Run every chunk through the model in one pass; return the next-token logits of each chunk [B, V].
 
     The store must already have room for ``start + T`` tokens of every chunk (``KVStore.ensure``).
+    ``logits_indices`` [R]: the rows of the [N, E] batch to return logits for instead, [R, V] (vLLM's name; the
+    LM head is the step's largest matmul, so only the rows a caller samples from go through it).
     """
     cfg, params = model.config, model.params
     lengths = [len(c.token_ids) for c in chunks]
@@ -54,4 +56,5 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk]) -> np.
                 out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
         x += linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E] residual
         x += mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]
-    return lm_head(params, x[ends - 1], eps)  # [B, V]: each chunk's last position
+    rows = ends - 1 if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
+    return lm_head(params, x[rows], eps)  # [B, V]: each chunk's last position (or [R, V])

@@ -283,9 +283,11 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve_main(args, prepare=None) -> int:
+def serve_main(args, prepare=None, build=None) -> int:
     """``python -m gpt2_core serve``: load the model, bind, print where it listens, serve until SIGTERM/Ctrl-C.
-    ``prepare(model) -> model``, if given, runs on the loaded model first (the CLI passes the appendix's kernels)."""
+    ``prepare(model) -> model``, if given, runs on the loaded model first (the CLI passes the appendix's kernels);
+    ``build(model, **engine_args) -> engine``, if given, builds the engine instead of ``build_engine`` (the CLI passes
+    a later chapter's, for ``--speculative``)."""
     from ..loading.weights import load_model
 
     model = load_model(args.model)
@@ -295,9 +297,10 @@ def serve_main(args, prepare=None) -> int:
     # Hand it over every 1 ms instead of Python's default 5 ms, so that a refusal or a token goes out at once.
     sys.setswitchinterval(0.001)
     name = args.served_model_name or (args.model or "gpt2-numpy-embedded")
-    app = make_app(model, name, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                   aging_s=args.priority_aging_s)
+    engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       num_blocks=args.num_blocks, aging_s=args.priority_aging_s)
+    app = make_app(model, name, engine=None if build is None else build(model, **engine_args),
+                   max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, **engine_args)
     sock, host, port = listen(args.host, args.port)
     print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
     run_app(app, sock, args.log_level, args.graceful_shutdown_s, app.state.server.loop)
