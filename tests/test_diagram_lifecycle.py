@@ -22,7 +22,7 @@ def test_lifecycle_draws_every_state_and_every_transition():
     words = " ".join(t.get_text() for t in texts(ax)).lower()
     for state in [s.value for s in SequenceStatus] + ["preempted"]:
         assert state in words, state
-    for check in ("max_num_seqs", "token budget", "one more token", "recomputed", "max_new_tokens"):
+    for check in ("max_num_seqs", "token budget", "room in the store", "one more token", "recomputed", "max_new_tokens"):
         assert check in words, check
     assert min(t.get_fontsize() for t in texts(ax)) >= MIN_FONT
     plt.close(ax.figure)
@@ -33,6 +33,12 @@ def test_roadmap_marks_the_chapter_and_uses_no_small_text(chapter):
     ax = roadmap(chapter)
     assert "you are here" in [t.get_text() for t in texts(ax)]
     assert min(t.get_fontsize() for t in texts(ax)) >= MIN_FONT
+    ax.figure.canvas.draw()
+    boxes = [patch.get_window_extent() for patch in ax.patches]
+    for t in texts(ax):  # every chapter's number and title inside its own box
+        if t.get_text() != "you are here":
+            b = t.get_window_extent()
+            assert any(r.x0 <= b.x0 and b.x1 <= r.x1 for r in boxes), t.get_text()
     plt.close(ax.figure)
 
 

@@ -21,7 +21,7 @@ def roadmap(current: str, ax=None):
     if current not in ids:
         raise ValueError(f"unknown chapter {current!r}: one of {', '.join(ids)}")
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 1.7))
+        _, ax = plt.subplots(figsize=(13.5, 1.8))
     here = ids.index(current)
     for i, (number, title) in enumerate(COURSE):
         x = i + (0.4 if number.startswith("A") else 0)  # the appendix stands a little apart
