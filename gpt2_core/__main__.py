@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="action", required=True)
     r = csub.add_parser("release", help="make a course directory and the student version of every chapter")
     r.add_argument("--out", default=None, help="course directory to make (default: a new temporary directory)")
+    s = csub.add_parser("student", help="the student versions of every chapter in one folder, for learning on "
+                                        "your own (solutions and hidden tests removed, as a class gets them)")
+    s.add_argument("out", help="a new folder for the notebooks (refused if it already holds chapter notebooks)")
     a = csub.add_parser("autograde", help="autograde a folder of submissions (<student>/<chapter>.ipynb)")
     a.add_argument("submissions", help="folder of <student>/<chapter>.ipynb (or nbgrader's <student>/<chapter>/...)")
     a.add_argument("--out", default=None, help="write the per-exercise grade table here (CSV); nbgrader's own "
@@ -213,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     gr = csub.add_parser("grades", help="print (and save) the grade table of a course directory")
     gr.add_argument("--course", required=True)
     gr.add_argument("--out", default=None, help="write the per-exercise grade table here (CSV)")
-    for p in (r, a):
+    for p in (r, s, a):
         p.add_argument("--notebooks", default=None, help="folder of chapter notebooks NN_*.ipynb (default: notebooks/)")
         p.add_argument("--timeout", type=int, default=600, help="seconds a cell may run while autograding")
     c.set_defaults(func=_classroom)

@@ -12,8 +12,9 @@ This module is a thin wrapper around nbgrader's own commands; it does no grading
 4. runs ``nbgrader export`` (nbgrader's grades.csv: one row per student and assignment) and reads the per-exercise
    scores out of nbgrader's gradebook for the grade table.
 
-Command line: ``python -m gpt2_core classroom release --out DIR`` and
-``python -m gpt2_core classroom autograde SUBMISSIONS_DIR --out grades.csv`` (see ``notebooks/TEACHING.md``).
+Command line: ``python -m gpt2_core classroom release --out DIR``,
+``python -m gpt2_core classroom autograde SUBMISSIONS_DIR --out grades.csv`` and, for a learner on their own,
+``python -m gpt2_core classroom student DIR`` (the same student versions in one folder; see ``notebooks/TEACHING.md``).
 Needs the ``classroom`` extra: ``pip install -e '.[classroom]'`` (nbgrader).
 """
 
@@ -330,6 +331,27 @@ def release(out=None, notebooks_dir=None, timeout: int = CELL_TIMEOUT) -> Course
     return course
 
 
+def student_versions(out, notebooks_dir=None, course: Course | None = None, timeout: int = CELL_TIMEOUT) -> list[Path]:
+    """A self-learner's working folder: the student version of every chapter, exactly what ``release`` hands out to
+    a class (solutions and hidden tests removed, outputs cleared), side by side in ``out``, with the stored runs
+    the chapters read in ``out/results``. Made by a release into a temporary course directory (or taken from
+    ``course``, already released). A folder that already holds chapter notebooks is refused: a learner's work is
+    never overwritten. Returns the notebooks written."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ClassroomError(f"{out}: exists and is not a folder; name a new folder for the student versions")
+    if out.is_dir() and any(out.glob(CHAPTER_GLOB)):
+        raise ClassroomError(f"{out}: already holds chapter notebooks ({CHAPTER_GLOB}); name a new folder (your "
+                             "work there is left as it is)")
+    with tempfile.TemporaryDirectory(prefix="gpt2-course-") as tmp:
+        if course is None:
+            course = release(tmp, notebooks_dir, timeout=timeout)
+        out.mkdir(parents=True, exist_ok=True)
+        for notebook in course.released().values():
+            shutil.copytree(notebook.parent, out, dirs_exist_ok=True)  # the notebook, and results/ beside it
+    return sorted(out.glob(CHAPTER_GLOB))
+
+
 def find_submissions(submissions_dir, chapters: list[str]) -> list[tuple[str, str, Path]]:
     """(student, chapter, notebook) for every submitted chapter notebook in a folder laid out as
     ``<student>/<chapter>.ipynb`` or nbgrader's ``<student>/<chapter>/<chapter>.ipynb``.
@@ -417,6 +439,15 @@ def cli(args) -> int:
         for chapter, path in course.released().items():
             points = sum(exercise_points(course.root / "source" / chapter / f"{chapter}.ipynb").values())
             print(f"  {chapter:24s} {points:g} points  {path}")
+        return 0
+    if args.action == "student":
+        written = student_versions(args.out, args.notebooks, timeout=args.timeout)
+        print(f"student versions of {len(written)} chapters (solutions and hidden tests removed) in "
+              f"{Path(args.out).resolve()}:")
+        for path in written:
+            print(f"  {path.name}")
+        print("open them with `jupyter lab`; check an exercise by running its test cell (see notebooks/TEACHING.md, "
+              "\"The learner's self-check\")")
         return 0
     failed = []
     if args.action == "autograde":

@@ -14,7 +14,7 @@ from gpt2_core.bench.replay import replay
 from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError, InvalidInputError
 from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
-from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward, ragged_layout
 from gpt2_core.ch01_forward.sampling import SamplingParams
 from gpt2_core.ch03_batching.sequence import FinishReason, Request
 from gpt2_core.ch03_batching.static_batching import left_pad, left_padding_attention_mask, position_ids, static_generate
@@ -39,6 +39,16 @@ def models():
 
 # ----------------------------------------------------------------------------------------------------------------
 # The ragged model step
+
+
+def test_ragged_layout_puts_the_chunks_one_after_another():
+    """A prefill of 3 at position 0, a decode at position 12, a chunk of 2 at position 4: rows 0-2, 3, 4-5."""
+    rows = ragged_layout([Chunk("a", np.array([5, 6, 7]), 0), Chunk("b", np.array([9]), 12),
+                          Chunk("c", np.array([1, 2]), 4)])
+    assert rows.token_ids.tolist() == [5, 6, 7, 9, 1, 2] and rows.token_ids.dtype == np.int64
+    assert rows.positions.tolist() == [0, 1, 2, 12, 4, 5] and rows.positions.dtype == np.int64
+    assert rows.spans == [(0, 3), (3, 4), (4, 6)] and all(type(i) is int for s in rows.spans for i in s)
+    assert rows.last_rows.tolist() == [2, 3, 5] and rows.last_rows.dtype == np.int64
 
 
 @pytest.mark.parametrize("name,model", models(), ids=lambda x: x if isinstance(x, str) else "")

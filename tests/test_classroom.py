@@ -76,12 +76,12 @@ DELEGATING = {
     "attention_by_rows": "def attention_by_rows(q, k, v):\n    return attention(q, k, v)",
     "padding_mask": "def padding_mask(key_mask, num_queries):\n"
                     "    return left_padding_attention_mask(key_mask, num_queries)",
-    "allocator_free": "class MyBlockAllocator(BlockAllocator):\n"
-                      "    def free(self, block: int) -> None:\n        super().free(block)",
-    "internal_fragmentation": "def internal_fragmentation(lengths, block_size):\n"
-                              "    return block_manager.internal_fragmentation(lengths, block_size)",
-    "choose_block_size": "def choose_block_size(lengths, candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), max_waste=0.05):\n"
-                         "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
+    "prefill_in_chunks": "def prefill_in_chunks(model, token_ids, chunk_size):\n"
+                         "    logits, cache = prefill(model, token_ids, capacity=len(token_ids), last_only=True)\n"
+                         "    return logits[0], cache",
+    "ragged_rows": "def ragged_rows(chunks):\n    return ragged_layout(chunks)",
+    "block_table_ensure": "class MyBlockManager(BlockManager):\n"
+                          "    def ensure(self, seq_id, num_tokens):\n        return super().ensure(seq_id, num_tokens)",
     "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
     "predict_speed": "def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)",
     "row_parallel": "def row_parallel_c_proj(x, weight, bias, world, all_reduce):\n"
@@ -348,6 +348,36 @@ def test_nbgrader_export_has_a_row_per_submission(round_trip):
         assert float(by["reference", path.stem]["score"]) == points
         assert float(by["untouched", path.stem]["score"]) == 0
         assert float(by["reference", path.stem]["max_score"]) >= points
+
+
+# --- a learner on their own: the student versions in one folder ----------------------------------------------------
+
+def test_student_versions_for_a_self_learner(round_trip, tmp_path):
+    """``classroom student DIR`` gives a self-learner what a class gets: the released notebooks side by side, the
+    stored runs they read in DIR/results; asked again into the same folder it refuses and leaves the work there."""
+    out = tmp_path / "my_course"
+    written = classroom.student_versions(out, course=round_trip.course)
+    assert [p.name for p in written] == [p.name for p in CHAPTERS]
+    for path in written:
+        assert path.read_bytes() == round_trip.released[path.stem].read_bytes()
+        assert SOLUTION_BEGIN not in path.read_text() and HIDDEN_BEGIN not in path.read_text()
+    for chapter in IDS:
+        for stored in (round_trip.released[chapter].parent / "results").glob("*.json"):
+            assert (out / "results" / stored.name).read_bytes() == stored.read_bytes()
+    mine = written[0].read_text() + " "
+    written[0].write_text(mine)
+    with pytest.raises(classroom.ClassroomError, match="already holds chapter notebooks"):
+        classroom.student_versions(out, course=round_trip.course)
+    assert written[0].read_text() == mine
+    with pytest.raises(classroom.ClassroomError, match="not a folder"):
+        classroom.student_versions(written[0], course=round_trip.course)
+
+
+def test_student_command_line():
+    from gpt2_core.__main__ import build_parser
+
+    args = build_parser().parse_args(["classroom", "student", "my_course"])
+    assert (args.action, args.out, args.notebooks) == ("student", "my_course", None)
 
 
 # --- the learner's self-check without nbgrader --------------------------------------------------------------------

@@ -21,7 +21,7 @@ GELU_C = np.float32(np.sqrt(2.0 / np.pi))  # float32, so x stays float32
 def gelu(x):
     """GPT-2's tanh approximation of GELU ("gelu_new" in HF).
 
-    ``x * x * x``, not ``x**3``: NumPy's float32 power is a general ``powf`` call, ~50x slower than two multiplies.
+    ``x * x * x``, not ``x**3``: NumPy's float32 power is a general ``powf`` call, much slower than two multiplies.
     """
     return 0.5 * x * (1 + np.tanh(GELU_C * (x + np.float32(0.044715) * (x * x * x))))
 

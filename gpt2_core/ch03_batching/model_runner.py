@@ -26,6 +26,28 @@ class Chunk:
     start: int
 
 
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Where each chunk's tokens sit in the step's [N, E] matrix: the rows' token ids and positions, each chunk's
+    span of rows, and the row whose logits give each chunk's next token."""
+
+    token_ids: np.ndarray  # [N] every chunk's new tokens, one chunk after another
+    positions: np.ndarray  # [N] each row's position in its own sequence (chunk.start, chunk.start + 1, ...)
+    spans: list  # [(a, b)] per chunk: its rows are a .. b-1
+    last_rows: np.ndarray  # [B] each chunk's last row: the one whose logits are sampled
+
+
+def ragged_layout(chunks: list[Chunk]) -> RaggedLayout:
+    """The row bookkeeping of a ragged step: chunks of T_1, T_2, ... tokens become rows 0 .. T_1-1, then
+    T_1 .. T_1+T_2-1, and so on, with no padding."""
+    lengths = [len(c.token_ids) for c in chunks]
+    ends = np.cumsum(lengths, dtype=np.int64)  # [B] row after each chunk's last token
+    spans = [(int(e - t), int(e)) for e, t in zip(ends, lengths)]  # each chunk's rows a .. b-1
+    token_ids = np.concatenate([c.token_ids for c in chunks]).astype(np.int64)  # [N]
+    positions = np.concatenate([np.arange(c.start, c.start + t) for c, t in zip(chunks, lengths)])  # [N]
+    return RaggedLayout(token_ids, positions.astype(np.int64), spans, ends - 1)
+
+
 def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk], logits_indices=None) -> np.ndarray:
     """Run every chunk through the model in one pass; return the next-token logits of each chunk [B, V].
 
@@ -34,11 +56,8 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk], logits
     LM head is the step's largest matmul, so only the rows a caller samples from go through it).
     """
     cfg, params = model.config, model.params
-    lengths = [len(c.token_ids) for c in chunks]
-    ends = np.cumsum(lengths)  # [B] row after each chunk's last token
-    spans = [(int(e - t), int(e)) for e, t in zip(ends, lengths)]  # each chunk's rows a .. b-1
-    token_ids = np.concatenate([c.token_ids for c in chunks])  # [N]
-    positions = np.concatenate([np.arange(c.start, c.start + t) for c, t in zip(chunks, lengths)])  # [N]
+    rows = ragged_layout(chunks)  # token ids, positions and each chunk's span of rows
+    token_ids, positions, spans = rows.token_ids, rows.positions, rows.spans
     x = params["wte"][token_ids] + params["wpe"][positions]  # [N, E]
     eps, H, D = cfg.layer_norm_epsilon, cfg.n_head, cfg.head_dim
     scale = np.float32(1 / np.sqrt(D))
@@ -56,5 +75,5 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk], logits
                 out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
         x += linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E] residual
         x += mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]
-    rows = ends - 1 if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
-    return lm_head(params, x[rows], eps)  # [B, V]: each chunk's last position (or [R, V])
+    picked = rows.last_rows if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
+    return lm_head(params, x[picked], eps)  # [B, V]: each chunk's last position (or [R, V])
