@@ -19,6 +19,7 @@ seed (default 2026): ``GPT2_FUZZ_CASES=10000 pytest tests/test_serve_fuzz.py -s`
 import asyncio
 import collections
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -240,6 +241,25 @@ async def fuzz(app, cases) -> tuple[collections.Counter, list[str]]:
     return outcomes, failures
 
 
+async def probe_health(app, done: asyncio.Event, out: list) -> None:
+    """``/health`` every 0.2 s until ``done``: (seconds to answer, status) for each, while the fuzzing runs on the
+    same event loop (a request that blocked the loop would show here)."""
+    while not done.is_set():
+        t = time.perf_counter()
+        answer = await call(app, "GET", "/health")
+        out.append((time.perf_counter() - t, answer.status))
+        await asyncio.sleep(0.2)
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MB (Linux), or 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except OSError:
+        return 0.0
+
+
 @pytest.fixture(scope="module")
 def model():
     """The embedded model's tokenizer and context on a model 10x cheaper to run (random weights, large enough that
@@ -264,28 +284,38 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_whole(model, capsys):
     async def run():
         server.loop.start()
         try:
-            t = time.perf_counter()
+            warm = await call(app, json_body=canary)
+            rss = [rss_mb()]
+            t, done, health = time.perf_counter(), asyncio.Event(), []
+            prober = asyncio.create_task(probe_health(app, done, health))
             outcomes, failures = await fuzz(app, cases)
             elapsed = time.perf_counter() - t
-            health = await call(app, "GET", "/health")
+            done.set()
+            await prober
             after = await call(app, json_body=canary)
-            return outcomes, failures, elapsed, health, after
+            gc.collect()
+            rss.append(rss_mb())
+            return outcomes, failures, elapsed, health, [warm, after], rss
         finally:
             server.loop.stop()
 
     try:
-        outcomes, failures, elapsed, health, after = asyncio.run(run())
+        outcomes, failures, elapsed, health, canaries, rss = asyncio.run(run())
     finally:
         logging.getLogger("gpt2_core").removeHandler(errors)
     by_kind = collections.defaultdict(dict)
     for (kind, status), count in sorted(outcomes.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         by_kind[kind][status or "gone"] = count
     with capsys.disabled():
-        print(f"\nfuzz: {CASES} cases (seed {SEED}) in {elapsed:.1f} s, {len(failures)} failures; by kind and "
-              f"status: {dict(by_kind)}")
+        print(f"\nfuzz: {CASES} cases (seed {SEED}) in {elapsed:.1f} s, {len(failures)} failures; /health answered "
+              f"{len(health)} probes, the slowest in {max(t for t, _ in health):.3f} s; RSS after warm-up "
+              f"{rss[0]:.0f} MB, at the end {rss[1]:.0f} MB; by kind and status: {dict(by_kind)}")
     assert not failures, "\n".join(failures[:20])
     assert not errors.records, [r.getMessage()[:300] for r in errors.records[:5]]
-    assert health.status == 200 and after.status == 200 and after.json()["choices"][0]["text"] == want
+    assert all(status == 200 for _, status in health)
+    assert [c.status for c in canaries] == [200, 200]  # greedy, before and after: the library's text both times
+    assert [c.json()["choices"][0]["text"] for c in canaries] == [want, want]
+    assert rss[1] - rss[0] < 256, rss  # what the fuzzing left behind (a leak would grow with the cases)
     manager = server.engine.store.manager
     assert not server.loop.active and not server.engine.has_unfinished()
     assert manager.num_used_blocks() == 0 and manager.num_free_blocks == manager.num_blocks
