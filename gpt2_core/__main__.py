@@ -175,7 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speculative", default=None, metavar="SPEC",
                    help="speculative decoding (chapter 10): ngram:K (prompt lookup, K tokens a step), ngram:K:N "
                         "(n-grams of N down to 1), draft:int8:K or draft:int4:K (the model quantized as the drafter)")
-    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--api-key", default=os.environ.get("GPT2_API_KEY") or None,
+                   help="require the header 'Authorization: Bearer KEY' (else 401) on every path but --open-paths "
+                        "(default: $GPT2_API_KEY if set, else no key)")
+    s.add_argument("--open-paths", default="/health,/metrics",
+                   help="comma-separated paths that need no API key (default: /health,/metrics; '' for none)")
+    s.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
+                   help="CORS: web origins whose pages may call the server, comma-separated or repeated "
+                        "(e.g. http://localhost:3000, or '*' for any); default: none")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="a request body larger than this gets 413 (default: 1 MiB)")
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="info: also one access-log line per request, with its X-Request-Id (default: warning)")
     s.set_defaults(func=_serve)
 
     rt = sub.add_parser("route", help="a router in front of replicas of `serve`: round robin or cache-aware "

@@ -347,3 +347,34 @@ def test_bench_serve_loads_a_server_given_by_base_url(small_server):
     assert out["capacity"]["requests_per_s"] > 0 and out["memory"]["rss_before_bytes"] > 0
     with pytest.raises(Exception, match="base-url"):
         bench_serve(quick=True, base_url="localhost:8000")
+
+
+def test_the_hardening_flags_work_from_the_command_line():
+    """``serve --api-key --allowed-origins --max-body-bytes --log-level info`` as typed: a wrong key is refused,
+    /health stays open, CORS answers the allowed origin, a big body gets 413, a client that hangs up mid-body
+    leaves no traceback, and every request has its access-log line with its request id."""
+    import socket
+
+    with ServerProcess("--api-key", "k1", "--allowed-origins", "http://ui.example", "--max-body-bytes", "5000",
+                       "--log-level", "info") as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model=MODEL, prompt="Emma", max_tokens=2)
+        ok = openai.OpenAI(base_url=s.base_url, api_key="k1").completions.create(model=MODEL, prompt="Emma",
+                                                                                 max_tokens=2)
+        assert ok.choices[0].finish_reason in ("length", "stop")
+        assert httpx.get(s.url + "/health", headers={"x-request-id": "probe-1"}).headers["x-request-id"] == "probe-1"
+        r = httpx.post(s.base_url + "/completions", json={"prompt": "x" * 6000}, headers={
+            "authorization": "Bearer k1", "origin": "http://ui.example"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert r.headers["access-control-allow-origin"] == "http://ui.example"
+        host, port = s.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as sock:  # the review's D5: half a body, then gone
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
+        assert wait_until(lambda: sum("request_id=" in line for line in s.stderr) >= 5)
+        assert s.stop() == 0
+    log = "".join(s.stderr)
+    assert "Traceback" not in log and "ERROR" not in log, log
+    assert re.search(r'"GET /health HTTP/1.1" 200 [\d.]+ ms request_id=probe-1', log), log
+    assert re.search(r'"POST /v1/completions HTTP/1.1" 401 ', log) and re.search(r" 413 [\d.]+ ms", log), log

@@ -4,13 +4,16 @@
 (``utility_routes``), and every HTTP request counted (``http_metrics``).
 
 ``python -m gpt2_core serve`` runs it (``serve_main``); ``make_app`` builds the ASGI app for any other ASGI
-server or a test.
+server or a test. What every route goes through (request ids, the access log, API key, CORS, content type, body
+limit, OpenAI-shaped errors) is in ``middleware``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import errno
 import functools
 import itertools
 import json
@@ -20,8 +23,9 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
-from ..errors import MissingDependencyError
+from ..errors import GPT2Error, InvalidInputError, MissingDependencyError
 
 try:
     import prometheus_client  # noqa: F401
@@ -31,7 +35,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise MissingDependencyError(f"serving needs the serve extra (pip install -e '.[serve]'): {e}") from None
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -44,7 +50,9 @@ from .http_metrics import HTTPMetrics
 from .priority_scheduler import PriorityScheduler
 from .engine_loop import EngineLoop, Job
 from .metrics import ServerMetrics
-from .protocol import BadRequest, CompletionRequest, completion_id, parse_completion
+from .middleware import EXCEPTION_HANDLERS, MAX_BODY_BYTES, OPEN_PATHS, error_response, middleware_stack
+from .protocol import (BadRequest, CompletionRequest, completion_id, max_prompt_chars, parse_completions,
+                       parse_json)
 from .utility_routes import UtilityRoutes
 
 DISCONNECT_POLL_S = 0.25  # how often a handler waiting for its next token checks that its client is still there
@@ -63,6 +71,24 @@ def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 51
     return engine
 
 
+@dataclass
+class Batch:
+    """One HTTP request in the engine: a job per prompt, all with the same fields. Sample ``i`` of prompt ``p`` is
+    choice ``p * n + i`` of the answer, as OpenAI and vLLM number them."""
+
+    id: str
+    jobs: list
+    events: asyncio.Queue  # every job's events, as ("token" | "finish", choice, ...)
+
+    @property
+    def request(self) -> CompletionRequest:  # the fields every prompt shares
+        return self.jobs[0].request
+
+    @property
+    def n(self) -> int:
+        return len(self.jobs) * self.request.n
+
+
 class Server:
     """The app's state: the model's name and tokenizer, the engine loop, the metrics."""
 
@@ -71,6 +97,7 @@ class Server:
         self.metrics = ServerMetrics(model_name)
         self.loop = EngineLoop(engine, model.tokenizer, self.metrics, max_waiting)
         self.created = int(time.time())
+        self.max_prompt_chars = max_prompt_chars(model.tokenizer, model.config.n_positions)
         self._ids = itertools.count()
 
     # -- routes ---------------------------------------------------------------------------------------------------
@@ -89,52 +116,68 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         if self.loop.num_waiting() >= self.loop.max_waiting:  # full: refuse before reading or checking anything
-            self.metrics.reject("queue_full")
-            error = BadRequest(f"the server is at capacity: {self.loop.max_waiting} requests are waiting already; "
-                               f"retry later", None, 429, "rate_limit_error")
-            return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
-        try:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as e:
-                raise BadRequest(f"the request body is not valid JSON ({e})") from None
-            cfg = self.model.config
-            req = parse_completion(body, self.model_name, self.model.tokenizer, cfg.vocab_size, cfg.n_positions,
-                                   self.engine.scheduler.max_num_seqs)
+            return self._refuse(BadRequest(f"the server is at capacity: {self.loop.max_waiting} requests are waiting "
+                                           f"already; retry later", None, 429), "queue_full")
+        raw = await request.body()  # (a client gone before sending it all: RequestContext ends this quietly)
+        try:  # JSON and tokenizing in a worker thread: the event loop (other clients, /health) goes on meanwhile
+            requests = await run_in_threadpool(self.parse, raw)
         except BadRequest as e:
-            self.metrics.reject("invalid")
-            return JSONResponse(e.body(), status_code=e.status)
-        events: asyncio.Queue = asyncio.Queue()
+            return self._refuse(e, "invalid")
+        batch = self._batch(requests, asyncio.Queue())
+        try:
+            self.loop.submit(*batch.jobs)
+        except BadRequest as e:
+            return self._refuse(e, "queue_full" if e.status == 429 else "unavailable")
+        return await self._answer(batch, request)
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def parse(self, raw: bytes) -> list[CompletionRequest]:
+        """A ``/v1/completions`` body, checked: a ``CompletionRequest`` per prompt, or a ``BadRequest``."""
+        cfg = self.model.config
+        return parse_completions(parse_json(raw), self.model_name, self.model.tokenizer, cfg.vocab_size,
+                                 cfg.n_positions, self.engine.scheduler.max_num_seqs, self.max_prompt_chars)
+
+    def _refuse(self, error: BadRequest, reason: str) -> Response:
+        self.metrics.reject(reason)
+        return error_response(error)
+
+    def _batch(self, requests: list[CompletionRequest], events: asyncio.Queue) -> Batch:
+        """A job per prompt; each one's events go to ``events`` numbered as the answer's choices."""
         aio = asyncio.get_running_loop()
-        job = Job(f"{completion_id()}-{next(self._ids)}", req, lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev))
-        try:
-            self.loop.submit(job)
-        except BadRequest as e:
-            self.metrics.reject("queue_full" if e.status == 429 else "unavailable")
-            return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"})
+        rid = f"{completion_id()}-{next(self._ids)}"
+
+        def emitter(offset: int):
+            return lambda ev: aio.call_soon_threadsafe(events.put_nowait, (ev[0], ev[1] + offset, *ev[2:]))
+
+        jobs = [Job(rid if len(requests) == 1 else f"{rid}-{p}", r, emitter(p * r.n)) for p, r in enumerate(requests)]
+        return Batch(rid, jobs, events)
+
+    async def _answer(self, batch: Batch, request: Request) -> Response:
+        """The answer once the first event is in: an error (refused by the engine), a stream, or the whole text."""
         done = False
         try:
-            first = await self._next(events, request)  # before answering: a refusal can still be a 400
+            first = await self._next(batch.events, request)  # before answering: a refusal can still be a 400
             if first is None:
                 return Response(status_code=499)  # the client went away (nginx's code; nobody reads it)
-            if first[0] == "finish" and first[2] == "error":
-                done = True
-                error = BadRequest(first[3] or "the request failed", None, job.error_status,
-                                   "invalid_request_error" if job.error_status == 400 else "server_error")
-                return JSONResponse(error.body(), status_code=error.status)
-            if req.stream:
+            if first[0] == "finish" and first[2] == "error":  # (the batch's other prompts are aborted below)
+                job = batch.jobs[first[1] // batch.request.n]
+                return error_response(BadRequest(first[3] or "the request failed", None, job.error_status))
+            if batch.request.stream:
                 done = True  # the generator below owns the request from here on
-                return StreamingResponse(self._sse(job, first, events, request), media_type="text/event-stream")
-            body = await self._whole(job, first, events, request)
+                return StreamingResponse(self._sse(batch, first, request), media_type="text/event-stream")
+            body = await self._whole(batch, first, request)
             if body is None:  # the client went away: the finally below aborts the request
                 return Response(status_code=499)
             done = True
             return JSONResponse(body, status_code=500 if "error" in body else 200)
         finally:
             if not done:
-                self.loop.abort(job.request_id)
+                self._abort(batch)
 
-    # -- helpers --------------------------------------------------------------------------------------------------
+    def _abort(self, batch: Batch) -> None:
+        for job in batch.jobs:  # (a job that finished already is not in the engine: nothing happens)
+            self.loop.abort(job.request_id)
+
     @staticmethod
     async def _next(events: asyncio.Queue, request: Request):
         """The next event, or None if the client disconnected while we waited. The client is looked for every
@@ -151,16 +194,16 @@ class Server:
             if await request.is_disconnected():
                 return None
 
-    def _chunk(self, job: Job, choices: list, usage: dict | None = None) -> dict:
-        out = {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
+    def _chunk(self, batch: Batch, choices: list, usage: dict | None = None) -> dict:
+        out = {"id": batch.id, "object": "text_completion", "created": int(time.time()),
                "model": self.model_name, "choices": choices}
         if usage is not None:
             out["usage"] = usage
         return out
 
     @staticmethod
-    def _usage(req: CompletionRequest, tokens: list[int]) -> dict:
-        p, c = len(req.prompt_token_ids), sum(tokens)
+    def _usage(batch: Batch, tokens: list[int]) -> dict:
+        p, c = sum(len(job.request.prompt_token_ids) for job in batch.jobs), sum(tokens)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     @staticmethod
@@ -174,8 +217,8 @@ class Server:
             offset += len(text)
         return out
 
-    async def _whole(self, job: Job, event, events: asyncio.Queue, request: Request) -> dict | None:
-        n = job.request.n
+    async def _whole(self, batch: Batch, event, request: Request) -> dict | None:
+        n = batch.n
         texts, lps, reasons, counts, errors = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n, []
         while True:
             if event[0] == "token":
@@ -190,20 +233,18 @@ class Server:
                     errors.append(error)
                 if all(r is not None for r in reasons):
                     break
-            event = await self._next(events, request)
+            event = await self._next(batch.events, request)
             if event is None:
                 return None
         if errors:  # a sample failed after it started (its own sampling raised): say so, with what was made
-            raise_ = BadRequest(errors[0], None, 500, "server_error")
-            return raise_.body()
+            return BadRequest(errors[0], None, 500).body()
         choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i],
-                    "logprobs": self._logprobs(lps[i], 0) if job.request.logprobs is not None else None}
+                    "logprobs": self._logprobs(lps[i], 0) if batch.request.logprobs is not None else None}
                    for i in range(n)]
-        return self._chunk(job, choices, self._usage(job.request, counts))
+        return self._chunk(batch, choices, self._usage(batch, counts))
 
-    async def _sse(self, job: Job, event, events: asyncio.Queue, request: Request):
-        req, finished, counts = job.request, 0, [0] * job.request.n
-        offsets = [0] * req.n
+    async def _sse(self, batch: Batch, event, request: Request):
+        req, finished, counts, offsets = batch.request, 0, [0] * batch.n, [0] * batch.n
         try:
             while True:
                 if event[0] == "token":
@@ -214,32 +255,38 @@ class Server:
                     offsets[i] += len(piece)
                     if piece or lp_json:
                         choice = {"index": i, "text": piece, "logprobs": lp_json, "finish_reason": None}
-                        yield f"data: {json.dumps(self._chunk(job, [choice]))}\n\n"
+                        yield f"data: {json.dumps(self._chunk(batch, [choice]))}\n\n"
                 else:
                     _, i, reason, error, count = event
                     counts[i], finished = count, finished + 1
                     choice = {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
-                    chunk = self._chunk(job, [choice])
+                    chunk = self._chunk(batch, [choice])
                     if error:
-                        chunk["error"] = {"message": error, "type": "server_error"}
+                        chunk["error"] = BadRequest(error, None, 500).body()["error"]
                     yield f"data: {json.dumps(chunk)}\n\n"
-                    if finished == req.n:
+                    if finished == batch.n:
                         break
-                event = await self._next(events, request)
+                event = await self._next(batch.events, request)
                 if event is None:
                     return
             if req.include_usage:
-                yield f"data: {json.dumps(self._chunk(job, [], self._usage(req, counts)))}\n\n"
+                yield f"data: {json.dumps(self._chunk(batch, [], self._usage(batch, counts)))}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if finished < req.n:  # the client went away (or the server is stopping): free its blocks now
-                self.loop.abort(job.request_id)
+            if finished < batch.n:  # the client went away (or the server is stopping): free its blocks now
+                self._abort(batch)
 
 
 def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: int = 64, step_delay_s: float = 0.0,
-             **engine_args) -> Starlette:
+             api_key: str | None = None, open_paths=OPEN_PATHS, allowed_origins=(),
+             max_body_bytes: int = MAX_BODY_BYTES, **engine_args) -> Starlette:
     """The ASGI app serving ``model`` (an engine is built with ``engine_args`` unless given). The engine's thread
-    starts and stops with the app (its lifespan); ``app.state.server`` is the ``Server``."""
+    starts and stops with the app (its lifespan); ``app.state.server`` is the ``Server``. ``api_key``,
+    ``open_paths``, ``allowed_origins`` and ``max_body_bytes``: see ``middleware``."""
+    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+        raise InvalidInputError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if api_key is not None and not (isinstance(api_key, str) and api_key.strip()):
+        raise InvalidInputError("the API key must not be empty (leave --api-key out for none)")
     server = Server(model, model_name, engine if engine is not None else build_engine(model, **engine_args),
                     max_waiting)
     server.loop.step_delay_s = float(step_delay_s)
@@ -256,7 +303,9 @@ def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: in
         Route("/health", server.health), Route("/v1/models", server.models), Route("/metrics", server.metrics_text),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", ChatCompletions(server).create, methods=["POST"]),
-        *UtilityRoutes(server).routes()], lifespan=lifespan)
+        *UtilityRoutes(server).routes()], lifespan=lifespan,
+        middleware=middleware_stack(api_key, open_paths, allowed_origins, max_body_bytes),
+        exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(HTTPMetrics, metrics=server.metrics, routes=app.routes)  # outermost: every answer counted
     app.state.server = server
     return app
@@ -284,49 +333,73 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve_main(args, prepare=None, build=None) -> int:
-    """``python -m gpt2_core serve``: load the model, bind, print where it listens, serve until SIGTERM/Ctrl-C.
-    ``prepare(model) -> model``, if given, runs on the loaded model first (the CLI passes the appendix's kernels);
-    ``build(model, **engine_args) -> engine``, if given, builds the engine instead of ``build_engine`` (the CLI passes
-    a later chapter's, for ``--speculative``)."""
+    """``python -m gpt2_core serve``: bind (a port in use is reported before anything loads), load the model, print
+    where it listens, serve until SIGTERM/Ctrl-C. ``prepare(model) -> model``, if given, runs on the loaded model
+    first (the CLI passes the appendix's kernels); ``build(model, **engine_args) -> engine``, if given, builds the
+    engine instead of ``build_engine`` (the CLI passes a later chapter's, for ``--speculative``)."""
     from ..loading.weights import load_model
 
-    model = load_model(args.model)
-    if prepare is not None:
-        model = prepare(model)
-    # The engine's thread holds the GIL between NumPy calls; the event loop (HTTP, 429s, streams) needs it often.
-    # Hand it over every 1 ms instead of Python's default 5 ms, so that a refusal or a token goes out at once.
-    sys.setswitchinterval(0.001)
-    name = args.served_model_name or (args.model or "gpt2-numpy-embedded")
-    engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_blocks=args.num_blocks, aging_s=args.priority_aging_s)
-    app = make_app(model, name, engine=None if build is None else build(model, **engine_args),
-                   max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, **engine_args)
     sock, host, port = listen(args.host, args.port)
-    print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
-    run_app(app, sock, args.log_level, args.graceful_shutdown_s, app.state.server.loop)
+    try:
+        model = load_model(args.model)
+        if prepare is not None:
+            model = prepare(model)
+        # The engine's thread holds the GIL between NumPy calls; the event loop (HTTP, 429s, streams) needs it
+        # often. Hand it over every 1 ms instead of Python's default 5 ms, so that a refusal or a token goes out
+        # at once.
+        sys.setswitchinterval(0.001)
+        name = args.served_model_name or (args.model or "gpt2-numpy-embedded")
+        origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
+        engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           num_blocks=args.num_blocks, aging_s=args.priority_aging_s)
+        app = make_app(model, name, engine=None if build is None else build(model, **engine_args),
+                       max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, api_key=args.api_key,
+                       open_paths=[p for p in args.open_paths.split(",") if p], allowed_origins=origins,
+                       max_body_bytes=args.max_body_bytes, **engine_args)
+        print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
+        run_app(app, sock, args.log_level, args.graceful_shutdown_s, app.state.server.loop)
+    finally:
+        sock.close()
     print("server stopped", file=sys.stderr, flush=True)
     return 0
 
 
 def listen(host: str, port: int) -> tuple[socket.socket, str, int]:
     """A socket bound to ``host:port`` (0: any free port) and listening, and the address it got: connections made
-    from now on wait in the backlog until uvicorn accepts them."""
+    from now on wait in the backlog until uvicorn accepts them. An address that cannot be had (in use, not
+    ours, not an address) is a ``GPT2Error`` of one line."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+        sock.close()
+        reason = ("the address is already in use (another server? choose another --port, or --port 0 for any "
+                  "free one)" if getattr(e, "errno", None) == errno.EADDRINUSE else getattr(e, "strerror", None)
+                  or str(e))
+        raise GPT2Error(f"cannot listen on {host}:{port}: {reason}") from None
     host, port = sock.getsockname()[:2]
     return sock, host, port
+
+
+def log_config(log_level: str) -> dict:
+    """uvicorn's logging setup, with the package's loggers (the access log ``gpt2_core.access``, the engine's
+    errors) on its handler at ``log_level``."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["gpt2_core"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    return config
 
 
 def run_app(app, sock: socket.socket, log_level: str, graceful_shutdown_s: float,
             engine_loop: EngineLoop | None = None) -> None:
     """Serve ``app`` with uvicorn on ``sock`` until SIGTERM or Ctrl-C. With ``engine_loop`` (a server), requests
     still running when the grace period ends are aborted (``GracefulServer``); uvicorn's own timeout comes
-    ``ABORT_MARGIN_S`` later, for their streams to end."""
+    ``ABORT_MARGIN_S`` later, for their streams to end. uvicorn's access log is off: the app's own
+    (``middleware.RequestContext``) has the request ids."""
     margin = ABORT_MARGIN_S if engine_loop is not None else 0.0
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s + margin,
-                            access_log=False)
+                            access_log=False, log_config=log_config(log_level))
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler found at start: a no-op
     # one, so that a SIGTERM ends the process with status 0 once everything is shut down
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

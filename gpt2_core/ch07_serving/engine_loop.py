@@ -80,16 +80,18 @@ class EngineLoop:
     def num_waiting(self) -> int:
         return self._queued + self._engine_waiting
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job``, or a 429 ``BadRequest`` at once if ``max_waiting`` requests already wait."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (the prompts of one HTTP request: all or none), or a 429 ``BadRequest`` at once if they
+        would make more than ``max_waiting`` requests wait."""
         with self._lock:
             if self._stop.is_set():
                 raise BadRequest("the server is shutting down", None, 503, "server_error")
-            if self._queued + self._engine_waiting >= self.max_waiting:
+            if self._queued + self._engine_waiting + len(jobs) > self.max_waiting:
                 raise BadRequest(f"the server is at capacity: {self.max_waiting} requests are waiting already; "
                                  f"retry later", None, 429, "rate_limit_error")
-            self._queued += 1
-        self.inbox.put(("add", job))
+            self._queued += len(jobs)
+        for job in jobs:
+            self.inbox.put(("add", job))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
@@ -141,15 +143,15 @@ class EngineLoop:
 
     def _add(self, job: Job) -> None:
         r = job.request
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0) or None,
-                                seed=r.seed)
-        request = PriorityRequest(job.request_id, r.prompt_token_ids, r.max_tokens, params, priority=r.priority,
-                                  logits_processor=self._recorder(job) if r.logprobs is not None else None)
         job.texts = [TextStream(self.tokenizer, r.stop) for _ in range(r.n)]
         job.sent, job.finished = [0] * r.n, [False] * r.n
         self.active[job.request_id] = job
         self.metrics.prompt_tokens.inc(len(r.prompt_token_ids))
-        try:
+        try:  # anything refused here fails this request alone: the engine's thread goes on
+            params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0) or None,
+                                    seed=r.seed)
+            request = PriorityRequest(job.request_id, r.prompt_token_ids, r.max_tokens, params, priority=r.priority,
+                                      logits_processor=self._recorder(job) if r.logprobs is not None else None)
             self.engine.add_request(request, arrival_time=job.arrival_time, n=r.n)
         except Exception as e:  # refused whole (e.g. n above max_num_seqs): the request fails alone
             self._fail(job, f"{type(e).__name__}: {e}")
