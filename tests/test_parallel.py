@@ -248,14 +248,14 @@ def test_chapter_5s_engine_with_a_tensor_parallel_step_gives_the_single_process_
     shared = rng.integers(0, 100, 8).tolist()  # a prefix that odd requests share: prefix-cache hits
     requests = [Request(i, (shared if i % 2 else []) + rng.integers(0, 100, int(rng.integers(2, 12))).tolist(),
                         int(rng.integers(3, 9)), stop_at_eos=False) for i in range(8)]
-    want, alone = engine_samples(model, PrefixCachingKVStore(model.config, num_blocks=14, block_size=4), requests)
-    store = PrefixCachingKVStore(model.config, num_blocks=14, block_size=4)
+    want, alone = engine_samples(model, PrefixCachingKVStore(model.config, num_blocks=10, block_size=4), requests)
+    store = PrefixCachingKVStore(model.config, num_blocks=10, block_size=4)
     with TensorParallelRunner(model, store, world_size=2, max_rows=12, max_seqs=4) as tp:
         got, engine = engine_samples(model, store, requests, forward=tp)
     assert got == want
     assert store.manager.num_hit_tokens > 0 and store.manager.num_copied_blocks > 0  # shared and copied blocks
     assert any(s.num_prefill_seqs and s.num_decode_seqs for s in engine.step_stats)  # prompts beside decodes
-    assert engine.scheduler.num_preemptions == alone.scheduler.num_preemptions
+    assert engine.scheduler.num_preemptions == alone.scheduler.num_preemptions > 0  # 10 blocks of 4: too few
 
 
 def test_the_tensor_parallel_step_refuses_a_store_it_cannot_split(model):
