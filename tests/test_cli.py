@@ -240,6 +240,9 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
         decode = [r for r in data["results"] if "same_tokens_as_single_1thread" in r]
         assert {r["method"] for r in decode} == {"single_1thread", "single_2threads", "tp2", "pp2"}
         assert all(r["same_tokens_as_single_1thread"] for r in decode)
+        served = [r for r in data["results"] if "same_tokens_as_engine_single_1thread" in r]  # chapter 5's engine
+        assert {r["method"] for r in served} == {"engine_single_1thread", "engine_single_2threads", "engine_tp2"}
+        assert all(r["same_tokens_as_engine_single_1thread"] for r in served)
         assert [r["micro_batches"] for r in data["bubble"]] == [1, 2, 4, 8]
         # replicas behind a router: two chat scenarios over HTTP, every request answered, hit rates measured
         scenarios = data["router"]["scenarios"]

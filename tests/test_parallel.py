@@ -21,7 +21,13 @@ from helpers import tiny_model
 import gpt2_core
 from gpt2_core import GPT2Config, kv_cache
 from gpt2_core.errors import InvalidInputError, WorkerError
-from gpt2_core.ch01_forward.model import forward
+from gpt2_core.ch01_forward.model import forward, linear
+from gpt2_core.ch03_batching.kv_store import ContiguousKVStore
+from gpt2_core.ch03_batching.model_runner import ragged_forward
+from gpt2_core.ch03_batching.sequence import Request
+from gpt2_core.ch05_sharing.caching_engine import CachingLLMEngine
+from gpt2_core.ch05_sharing.prefix_cache import PrefixCachingKVStore
+from gpt2_core.ch08_parallel.tp_runner import RowParallelWeight, TensorParallelRunner
 from gpt2_core.ch08_parallel.process_group import SHM_PREFIX, flatten, unflatten
 from gpt2_core.ch08_parallel.tensor_parallel import (BatchKVCache, SharedMemoryAllReduce, TensorParallelModel, no_communication,
                                        part, qkv_columns, row_parallel, shard_forward, shard_params)
@@ -212,6 +218,51 @@ def test_the_embedded_model_splits_exactly():
     with TensorParallelModel(model) as tp:
         close_enough(tp.prefill(ids), forward(model, ids))
         assert tp.generate(ids, 10).tolist() == kv_cache.generate(model, ids, 10, stop_at_eos=False)
+
+
+# --- tensor parallelism under chapter 5's engine -------------------------------------------------------------------
+
+def test_a_row_parallel_weight_all_reduces_inside_chapter_1s_linear():
+    rng = np.random.default_rng(1)
+    x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((5, 12), (12, 7), (7,)))
+    partials = [x[:, part(12, r, 2)] @ w[part(12, r, 2)] for r in range(2)]
+    got = linear(x[:, :6], RowParallelWeight(w[:6], all_reduce=lambda p: partials[0] + partials[1]), b)
+    np.testing.assert_allclose(got, x @ w + b, rtol=1e-5, atol=1e-5)
+
+
+def engine_samples(model, store, requests, forward=ragged_forward):
+    """Chapter 5's engine over ``store``, the requests arriving one per step (so prefills join running decodes);
+    request 2 asks for 2 samples and request 5 for 3 (forks, copied on write). Every sample's tokens, and the engine."""
+    engine = CachingLLMEngine(model, store, max_num_seqs=4, max_num_batched_tokens=12, forward=forward)
+    for i, r in enumerate(requests):
+        engine.add_request(r, n={2: 2, 5: 3}.get(i, 1))
+        engine.step()
+    engine.run_until_done()
+    return [[o.output_token_ids for o in engine.samples(r.request_id)] for r in requests], engine
+
+
+def test_chapter_5s_engine_with_a_tensor_parallel_step_gives_the_single_process_tokens(model):
+    """Continuous batching, chunked prefill, prefix hits, forks and preemptions over a paged store, each step's
+    forward split over two worker processes: the same greedy tokens as the one-process engine."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 100, 8).tolist()  # a prefix that odd requests share: prefix-cache hits
+    requests = [Request(i, (shared if i % 2 else []) + rng.integers(0, 100, int(rng.integers(2, 12))).tolist(),
+                        int(rng.integers(3, 9)), stop_at_eos=False) for i in range(8)]
+    want, alone = engine_samples(model, PrefixCachingKVStore(model.config, num_blocks=10, block_size=4), requests)
+    store = PrefixCachingKVStore(model.config, num_blocks=10, block_size=4)
+    with TensorParallelRunner(model, store, world_size=2, max_rows=12, max_seqs=4) as tp:
+        got, engine = engine_samples(model, store, requests, forward=tp)
+    assert got == want
+    assert store.manager.num_hit_tokens > 0 and store.manager.num_copied_blocks > 0  # shared and copied blocks
+    assert any(s.num_prefill_seqs and s.num_decode_seqs for s in engine.step_stats)  # prompts beside decodes
+    assert engine.scheduler.num_preemptions == alone.scheduler.num_preemptions > 0  # 10 blocks of 4: too few
+
+
+def test_the_tensor_parallel_step_refuses_a_store_it_cannot_split(model):
+    with pytest.raises(InvalidInputError, match="paged store"):
+        TensorParallelRunner(model, ContiguousKVStore(model.config, num_slots=2))
+    with pytest.raises(InvalidInputError, match="world_size"):
+        TensorParallelRunner(model, PrefixCachingKVStore(model.config, num_blocks=4, block_size=4), world_size=3)
 
 
 def test_no_segment_of_this_process_is_left_at_the_end(tp):

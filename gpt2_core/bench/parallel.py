@@ -6,6 +6,10 @@ model with 1 or 2 BLAS threads, or split over two worker processes of 1 BLAS thr
 every round (``interleaved``), so the machine's drift falls on all of them; each reading is the decode time of
 ``steps`` greedy steps after a prefill, and all methods must give the same tokens (checked and recorded).
 
+The same split as the model step of chapter 5's engine (``tp_runner``): ``batch`` requests served at once by
+``CachingLLMEngine`` (continuous batching, paged KV), its forward in this process or on two workers
+(``engine_*`` methods; end-to-end tokens/s, prefill included; same tokens checked).
+
 The third way to use two cores, **replicas behind a router** (``bench.router``): chapter 5's shared-prefix chat
 workload over HTTP on two ``serve`` replicas of 1 thread each behind ``route`` (``round_robin``,
 ``prefix_affinity``) and on one server of 2 threads (``single_2threads_server``): prefix-cache hit rate, TTFT and
@@ -22,9 +26,14 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..ch03_batching.sequence import Request
+from ..ch04_paged.block_manager import blocks_needed
+from ..ch05_sharing.caching_engine import CachingLLMEngine
+from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
 from ..loading.config import preset
 from ..ch08_parallel.pipeline_parallel import PipelineModel, bubble_fraction, ideal_bubble
 from ..ch08_parallel.tensor_parallel import BatchKVCache, TensorParallelModel, no_communication, shard_forward
+from ..ch08_parallel.tp_runner import TensorParallelRunner
 from ..loading.weights import random_model
 from . import progress
 from .common import QUICK, blas_threads, interleaved
@@ -98,6 +107,38 @@ def decode_records(model, tp, pp, batch: int, prompt_len: int, steps: int, round
     return records
 
 
+def engine_records(model, batch: int, prompt_len: int, steps: int, rounds: int) -> list[dict]:
+    """Chapter 5's engine serving ``batch`` requests that arrive together (one prefill step, then decodes), its
+    model step in this process (1 or 2 BLAS threads) or tensor-parallel on two workers: seconds from the first
+    step to the last token, read in interleaved rounds."""
+    rng = np.random.default_rng(batch)
+    requests = [Request(i, rng.integers(model.config.vocab_size, size=prompt_len).tolist(), steps + 1,
+                        stop_at_eos=False) for i in range(batch)]
+    blocks = batch * blocks_needed(prompt_len + steps + 1, 16)
+
+    def serve(store, forward=None, threads=None):
+        engine = CachingLLMEngine(model, store, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+                                  enable_prefix_caching=False, **({"forward": forward} if forward else {}))
+        with blas_threads(threads):  # the same prompts every round: no prefix cache, so every round computes them
+            t0 = time.perf_counter()
+            outs = engine.generate_many(requests)
+            seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "tokens": [o.output_token_ids for o in outs], "comm_s": 0.0, "comm_bytes": 0}
+
+    stores = [PrefixCachingKVStore(model.config, blocks, 16) for _ in range(3)]
+    with TensorParallelRunner(model, stores[2], max_rows=batch * prompt_len, max_seqs=batch) as tp:
+        readings = interleaved({"engine_single_1thread": lambda: serve(stores[0], threads=1),
+                                "engine_single_2threads": lambda: serve(stores[1], threads=2),
+                                "engine_tp2": lambda: serve(stores[2], forward=tp)}, rounds,
+                               measure=lambda run, r: run())
+    reference = readings["engine_single_1thread"][0]["tokens"]
+    return [{"method": name, "batch": batch, "tokens_per_s": batch * (steps + 1) / statistics.median(
+             r["seconds"] for r in rs), "processes": 1 if "single" in name else 3,
+             "blas_threads_per_process": 2 if "2threads" in name else 1,
+             "same_tokens_as_engine_single_1thread": all(r["tokens"] == reference for r in rs),
+             "seconds_per_round": [r["seconds"] for r in rs]} for name, rs in readings.items()]
+
+
 def bubble_records(model, pp: PipelineModel, batch: int, prompt_len: int, rounds: int) -> list[dict]:
     """One prefill pass (no decode) of ``batch`` prompts in m micro-batches: the measured idle fraction."""
     prompts = np.random.default_rng(7).integers(model.config.vocab_size, size=(batch, prompt_len))
@@ -147,9 +188,12 @@ def bench_parallel(quick: bool = QUICK) -> dict:
             pp.close()
     finally:
         tp.close()
+    results += engine_records(model, max(BATCHES), prompt_len, steps, rounds)
     by = {(r["method"], r["batch"]): r["tokens_per_s"] for r in results}
-    ratios = {f"{m}_vs_single_1thread_batch{b}": by[(m, b)] / by[("single_1thread", b)]
-              for b in BATCHES for m in ("single_2threads", "tp2", "pp2")}
+    pairs = [(m, "single_1thread") for m in ("single_2threads", "tp2", "pp2")] + [
+        (m, "engine_single_1thread") for m in ("engine_single_2threads", "engine_tp2")]
+    ratios = {f"{m}_vs_{one}_batch{b}": by[(m, b)] / by[(one, b)] for b in BATCHES for m, one in pairs
+              if (m, b) in by}
     skipped = missing_extra()
     progress.advance(2, None if skipped else "replicas behind the router")
     router = ({"router": {"skipped": skipped}, "targets_met": {}} if skipped else

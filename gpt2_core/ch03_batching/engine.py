@@ -10,6 +10,10 @@
 3. each sequence samples its next token with its own seeded ``Sampler``; finished sequences leave at once and
    free their KV room, so a waiting request can take their place in the very next step.
 
+A later chapter changes one part and keeps the step: it passes a part in (``scheduler_cls``, a ``store`` or
+``make_kv_store``, the ``forward`` that runs the model) or overrides a hook (``_after_forward``: what a sequence
+does with its logits; ``_samples_of``: the sequences of one request).
+
 A request that is invalid, or whose own sampling or ``on_token`` callback raises, fails alone (``FinishReason.ERROR`` with a message);
 the others are not disturbed.
 """
@@ -76,35 +80,39 @@ def check_store_fits(store: KVStore, model: GPT2Model) -> None:
                                 f"{have.head_dim}; the model needs {want.n_layer} x {want.n_head} x {want.head_dim}")
 
 
-def engine_store(model: GPT2Model, store: KVStore | None, max_num_seqs, max_num_batched_tokens,
-                 max_len) -> KVStore:
-    """The engine's KV store: ``store`` checked (it fits the model and holds no one else's sequences), or by
-    default a contiguous store of ``max_num_seqs`` slots of ``max_len`` tokens. The limits are checked first,
-    before the default store takes its memory."""
-    check_limits(max_num_seqs, max_num_batched_tokens)
-    if max_len is not None and not is_integer(max_len, 1):
-        raise InvalidInputError(f"max_len must be a positive integer, got {max_len!r}")
-    if store is None:
-        return ContiguousKVStore(model.config, num_slots=int(max_num_seqs), max_len=max_len)
-    if max_len is not None:
-        raise InvalidInputError("max_len sizes the default store; a store passed in has its own size")
+def check_own_store(store: KVStore, model: GPT2Model) -> KVStore:
+    """``store``, if it fits the model and holds no one else's sequences (their ids would collide with ours)."""
     check_store_fits(store, model)
-    if store.reserved_tokens():  # its sequences are someone else's: their ids would collide with ours
+    if store.reserved_tokens():
         raise InvalidInputError(f"the KV store already holds room for {store.reserved_tokens()} tokens of "
                                 f"other sequences; an engine needs a store of its own")
     return store
 
 
+ModelForward = Callable[[GPT2Model, KVStore, list], np.ndarray]  # (model, store, chunks) -> logits [B, V]
+
+
 class LLMEngine:
-    """Continuous batching over a ``KVStore`` (default: one contiguous slot of ``max_len`` per sequence)."""
+    """Continuous batching over a ``KVStore`` (default: ``make_kv_store``, one contiguous slot of ``max_len`` per
+    sequence). ``scheduler_cls`` is called with the store, the two limits, the context and ``clock=``;
+    ``forward(model, store, chunks)`` runs the model step (chapter 8 passes one that runs on worker processes)."""
 
     def __init__(self, model: GPT2Model, store: KVStore | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_len: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, scheduler_cls: type[Scheduler] = Scheduler):
-        self.model, self.clock = model, clock
-        self.store = engine_store(model, store, max_num_seqs, max_num_batched_tokens, max_len)
+                 clock: Callable[[], float] = time.perf_counter, scheduler_cls: type[Scheduler] = Scheduler,
+                 forward: ModelForward = ragged_forward):
+        check_limits(max_num_seqs, max_num_batched_tokens)  # before a default store takes its memory
+        if max_len is not None and (store is not None or not is_integer(max_len, 1)):
+            raise InvalidInputError(f"max_len sizes the default store, so it must be a positive integer and come "
+                                    f"without a store (which has its own size), got {max_len!r}")
+        if not callable(forward):
+            raise InvalidInputError(f"forward must be a function (model, store, chunks) -> logits, got {forward!r}")
+        self.model, self.clock, self.forward = model, clock, forward
+        if store is None:
+            store = self.make_kv_store(int(max_num_seqs), max_len)
+        self.store = check_own_store(store, model)
         self.scheduler = scheduler_cls(self.store, int(max_num_seqs), int(max_num_batched_tokens),
-                                       model.config.n_positions)
+                                       model.config.n_positions, clock=clock)
         self.sequences: dict[int, Sequence] = {}  # seq_id -> Sequence, all ever added
         self.step_stats: list[StepStats] = []  # one record per step, for the metrics and the plots
         self.num_steps = 0
@@ -134,21 +142,30 @@ class LLMEngine:
             if not plan.scheduled:
                 self._check_progress(plan)
                 return []
-            chunks = [Chunk(seq.seq_id, np.asarray(seq.token_ids[seq.num_computed_tokens:], dtype=np.int64),
-                            seq.num_computed_tokens) for seq in plan.scheduled]  # a whole prompt, or one token
+            chunks = []
+            for seq in plan.scheduled:  # the tokens each feeds: a whole prompt, or one token
+                a, b = seq.num_computed_tokens, seq.num_computed_tokens + plan.num_scheduled_tokens[seq.seq_id]
+                chunks.append(Chunk(seq.seq_id, np.asarray(seq.token_ids[a:b], dtype=np.int64), a))
             stats = self._begin_stats(plan, start)
             logits = self._run_model(plan, chunks)  # 2. ragged_forward: all chunks in one pass -> [B, V]
             now = self.clock()
             outputs = []
-            for seq, row in zip(plan.scheduled, logits):  # 3. each sequence samples its own next token
-                seq.num_computed_tokens = seq.num_tokens  # its K/V are in the store now
-                token = self._sample(seq, row, now)  # its own seeded sampler; None if its own code raised
-                if token is not None:
-                    self._append_token(seq, token, now)
-                    outputs.append((seq.request_id, token))
+            for seq, chunk, row in zip(plan.scheduled, chunks, logits):  # 3. each sequence samples its next token
+                seq.num_computed_tokens += len(chunk.token_ids)  # their K/V are in the store now
+                outputs += self._after_forward(seq, row, now)
             self._end_stats(stats, now)
             self._call_back(outputs, now)  # only once every sequence's state is up to date
             return outputs
+
+    def _after_forward(self, seq: Sequence, logits: np.ndarray, now: float) -> list[tuple[object, int]]:
+        """The hook after the model step, for each scheduled sequence (its chunk's K/V now in the store): sample its
+        next token from ``logits`` [V] with its own seeded sampler and append it. Returns the ``(request_id,
+        token)`` pairs produced: none if the request's own code raised (``_sample``)."""
+        token = self._sample(seq, logits, now)
+        if token is None:
+            return []
+        self._append_token(seq, token, now)
+        return [(seq.request_id, token)]
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> None:
         """``token`` joins ``seq``'s output; a stop token or a spent budget finishes ``seq`` and frees its KV."""
@@ -165,28 +182,42 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)  # out of the queues, its KV room freed for the next step
         seq.metrics.finished_time = now
 
-    def abort_request(self, request_id) -> None:
-        """Finish ``request_id`` (and its samples, if it has forked) now with ``FinishReason.ABORT``, freeing its KV
-        room; a request already finished is left as it is. Call it between steps (a server does, when its client
-        goes away)."""
+    def _samples_of(self, request_id) -> list[Sequence]:
+        """The hook naming the sequences of one request: here the request's own sequence (a later chapter adds the
+        samples it forks)."""
+        return [self.get_sequence(request_id)]
+
+    def finish_request(self, request_id, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Finish the sequence ``request_id`` names now with ``reason``, freeing its KV room; one already finished is
+        left as it is. Call it between steps (a server does, when a stop string ends a sample)."""
         seq = self.get_sequence(request_id)
-        now = self.clock()
-        for s in [seq, *(self._by_request.get((request_id, i)) for i in range(1, getattr(seq, "num_samples", 1)))]:
-            if s is not None and not s.is_finished:
-                self._finish(s, FinishReason.ABORT, now)
+        if not seq.is_finished:
+            self._finish(seq, reason, self.clock())
+
+    def abort_request(self, request_id) -> None:
+        """Finish ``request_id`` and every sample of it now with ``FinishReason.ABORT`` (``finish_request``). Call it
+        between steps (a server does, when its client goes away)."""
+        for seq in self._samples_of(request_id):
+            self.finish_request(seq.request_id, FinishReason.ABORT)
 
     def release_request(self, request_id) -> None:
         """Forget a finished request (and its samples): a long-running server calls this once it has handed the
         output over, so that the engine does not keep every request it ever served."""
-        seq = self.get_sequence(request_id)
-        samples = [seq, *(self._by_request.get((request_id, i)) for i in range(1, getattr(seq, "num_samples", 1)))]
-        if not all(s is None or s.is_finished for s in samples):
+        samples = self._samples_of(request_id)
+        if not all(s.is_finished for s in samples):
             raise InvalidInputError(f"request {request_id!r} is not finished: abort it first")
         for s in samples:
-            if s is not None:
-                for table in (self.sequences, self._pending, self._callbacks):
-                    table.pop(s.seq_id, None)
-                self._by_request.pop(s.request_id, None)
+            for table in (self.sequences, self._pending, self._callbacks):
+                table.pop(s.seq_id, None)
+            self._by_request.pop(s.request_id, None)
+
+    def kv_stats(self) -> dict:
+        """The numbers a server's metrics read between steps: sequences running and waiting, preemptions so far,
+        and the KV store's room (token positions reserved, capacity, usage)."""
+        s, store = self.scheduler, self.store
+        return {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_preemptions": s.num_preemptions,
+                "reserved_tokens": store.reserved_tokens(), "capacity_tokens": store.capacity_tokens(),
+                "usage": store.usage()}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -195,7 +226,12 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
 
-    # -- the rest: checking requests, failing them alone, the step's record, callbacks and streams ---------------
+    # -- the rest: the default store, checking requests, failing them alone, the step's record, callbacks, streams
+    def make_kv_store(self, max_num_seqs: int, max_len: int | None) -> KVStore:
+        """The store an engine makes when none is passed in: ``max_num_seqs`` contiguous slots of ``max_len`` tokens
+        (default: the context). Chapter 5's engine makes a paged store with prefix caching."""
+        return ContiguousKVStore(self.model.config, num_slots=max_num_seqs, max_len=max_len)
+
     def _new_sequence(self, request: Request, arrival_time: float | None, on_token) -> Sequence:
         """``request`` as a new ``Sequence`` of this engine, checked. One that cannot run (invalid, or too big for
         the context, the store or the token budget) is finished at once with ``FinishReason.ERROR`` and a message;
@@ -279,10 +315,10 @@ class LLMEngine:
                                      f"KV store has no room for the first: something else holds its memory")
 
     def _run_model(self, plan, chunks: list[Chunk]) -> np.ndarray:
-        """``ragged_forward`` over the step's chunks -> [B, V]. If it raises (Ctrl-C included), nothing was sampled:
-        every sequence of the step goes back to the front of the queue, to be computed again."""
+        """``forward`` (``ragged_forward``) over the step's chunks -> [B, V]. If it raises (Ctrl-C included), nothing
+        was sampled: every sequence of the step goes back to the front of the queue, to be computed again."""
         try:
-            return ragged_forward(self.model, self.store, chunks)
+            return self.forward(self.model, self.store, chunks)
         except BaseException:
             for seq in reversed(plan.scheduled):
                 self.scheduler.requeue(seq)

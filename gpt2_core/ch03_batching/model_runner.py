@@ -56,16 +56,30 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk], logits
     LM head is the step's largest matmul, so only the rows a caller samples from go through it).
     """
     cfg, params = model.config, model.params
-    rows = ragged_layout(chunks)  # token ids, positions and each chunk's span of rows
-    token_ids, positions, spans = rows.token_ids, rows.positions, rows.spans
-    x = params["wte"][token_ids] + params["wpe"][positions]  # [N, E]
-    eps, H, D = cfg.layer_norm_epsilon, cfg.n_head, cfg.head_dim
-    scale = np.float32(1 / np.sqrt(D))
-    for layer, p in enumerate(params["h"]):
+    rows = ragged_layout(chunks)  # token ids, positions, each chunk's span of rows and its last row
+    x = params["wte"][rows.token_ids] + params["wpe"][rows.positions]  # [N, E]: chapter 1's embed, row by row
+    x = ragged_transformer(params["h"], x, chunks, store, cfg.n_head, cfg.layer_norm_epsilon)  # [N, E]
+    picked = rows.last_rows if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
+    return lm_head(params, x[picked], cfg.layer_norm_epsilon)  # [B, V]: each chunk's last position (or [R, V])
+
+
+def embed_chunks(params: dict, chunks: list[Chunk]) -> np.ndarray:
+    """Chapter 1's ``embed`` of every chunk at its own positions, the chunks' rows one after another: [N, E]."""
+    rows = ragged_layout(chunks)
+    return params["wte"][rows.token_ids] + params["wpe"][rows.positions]  # [N, E]
+
+
+def ragged_transformer(blocks: list, x: np.ndarray, chunks: list[Chunk], store: KVStore, n_head: int,
+                       eps: float) -> np.ndarray:
+    """Every block over the ragged batch ``x`` [N, E]: the weight matmuls on all rows at once, attention per
+    chunk against its own sequence's K/V in ``store``. Returns [N, E] (``x`` is updated in place)."""
+    spans = ragged_layout(chunks).spans  # each chunk's rows a .. b-1
+    for layer, p in enumerate(blocks):
         qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [N, 3E]: all rows at once
-        q, k, v = split_qkv(qkv, H)  # 3 x [H, N, D] views, no copy
-        q_scaled = q * scale  # [H, N, D] for the decode rows, scaled once for all of them
-        out = np.empty((len(x), H, D), dtype=x.dtype)  # [N, H, D]
+        q, k, v = split_qkv(qkv, n_head)  # 3 x [H, N, D] views, no copy
+        H, N, D = q.shape
+        q_scaled = q * np.float32(1 / np.sqrt(D))  # [H, N, D] for the decode rows, scaled once for all of them
+        out = np.empty((N, H, D), dtype=x.dtype)  # [N, H, D]
         for chunk, (a, b) in zip(chunks, spans):  # attention: each sequence against its own cache
             if b - a == 1:  # decode: one query sees every cached key, no mask needed; the store reads them
                 out[a] = store.attend_decode(chunk.seq_id, layer, chunk.start, q_scaled[:, a:b], k[:, a:b],
@@ -73,7 +87,6 @@ def ragged_forward(model: GPT2Model, store: KVStore, chunks: list[Chunk], logits
             else:  # prefill: chapter 1's causal attention over everything cached
                 k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k[:, a:b], v[:, a:b])  # [H, start+T, D]
                 out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
-        x += linear(out.reshape(len(x), H * D), **p["attn"]["c_proj"])  # [N, E] residual
+        x += linear(out.reshape(N, H * D), **p["attn"]["c_proj"])  # [N, E] residual
         x += mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]
-    picked = rows.last_rows if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
-    return lm_head(params, x[picked], eps)  # [B, V]: each chunk's last position (or [R, V])
+    return x

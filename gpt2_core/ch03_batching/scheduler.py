@@ -20,7 +20,9 @@ than the token budget — is refused when it arrives (``check_fits``), instead o
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from itertools import islice
 from dataclasses import dataclass, field
 
@@ -32,9 +34,11 @@ from .sequence import FinishReason, Sequence, SequenceStatus
 
 @dataclass
 class SchedulerOutput:
-    """What one step runs: ``scheduled`` sequences (decodes first, then new prefills) and what was preempted."""
+    """What one step runs: ``scheduled`` sequences (decodes first, then new prefills), the tokens each feeds, and
+    what was preempted."""
 
-    scheduled: list = field(default_factory=list)  # [Sequence]; each feeds token_ids[num_computed_tokens:]
+    scheduled: list = field(default_factory=list)  # [Sequence]
+    num_scheduled_tokens: dict = field(default_factory=dict)  # seq_id -> tokens it feeds (decode 1, prefill its prompt)
     num_batched_tokens: int = 0
     num_prefill_seqs: int = 0
     num_decode_seqs: int = 0
@@ -74,9 +78,9 @@ def check_limits(max_num_seqs, max_num_batched_tokens) -> None:
 
 class Scheduler:
     def __init__(self, store: KVStore, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, clock: Callable[[], float] = time.perf_counter):
         check_limits(max_num_seqs, max_num_batched_tokens)
-        self.store = store
+        self.store, self.clock = store, clock  # the engine's clock, for a policy that depends on time
         self.max_num_seqs = int(max_num_seqs)
         self.max_num_batched_tokens = int(max_num_batched_tokens)
         self.max_model_len = store.config.n_positions if max_model_len is None else max_model_len
@@ -117,17 +121,8 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             assert seq.num_uncomputed_tokens == 1, seq  # running sequences are always one token behind
-            while not self.store.can_ensure(seq.seq_id, seq.num_tokens):
-                victim = self.running[-1]  # the most recently admitted (may be seq itself)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                self.store.ensure(seq.seq_id, seq.num_tokens)
-                out.scheduled.append(seq)
-                out.num_decode_seqs += 1
-                out.num_batched_tokens += 1
+            if self._make_room(seq, seq.num_tokens, out):  # else seq itself was preempted: running[i] is the next
+                self._add(out, seq, 1)
                 i += 1
         # 2. prefills: the admission policy picks waiting sequences, the store must have room for each
         if not out.preempted:
@@ -139,9 +134,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                out.scheduled.append(seq)
-                out.num_prefill_seqs += 1
-                out.num_batched_tokens += n
+                self._add(out, seq, n)
         assert len(self.running) <= self.max_num_seqs
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         return out
@@ -153,6 +146,29 @@ class Scheduler:
         lens = [s.num_uncomputed_tokens for s in islice(self.waiting, self.max_num_seqs - len(self.running))]
         n = num_to_admit(lens, len(self.running), self.max_num_seqs, num_batched_tokens, self.max_num_batched_tokens)
         return list(islice(self.waiting, n))
+
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Grow running ``seq``'s KV room to ``num_tokens``, preempting the most recently admitted sequences while
+        the store has too little (``out.preempted`` lists them). False if ``seq`` itself had to go."""
+        while not self.store.can_ensure(seq.seq_id, num_tokens):
+            victim = self.running[-1]  # the most recently admitted (may be seq itself)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        self.store.ensure(seq.seq_id, num_tokens)
+        return True
+
+    @staticmethod
+    def _add(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """``seq`` joins the step with ``n`` tokens: a decode (its one last token) or a prefill (prompt tokens)."""
+        out.scheduled.append(seq)
+        out.num_scheduled_tokens[seq.seq_id] = n
+        out.num_batched_tokens += n
+        if n == 1 and seq.output_token_ids and seq.num_uncomputed_tokens == 1:
+            out.num_decode_seqs += 1
+        else:
+            out.num_prefill_seqs += 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, queue it first (``requeue``), and count it."""

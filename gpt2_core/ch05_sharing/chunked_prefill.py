@@ -12,14 +12,16 @@ vLLM V1 and Sarathi-Serve, each sequence's ``num_computed_tokens`` catches up wi
    caching the store first says how many of the prompt's tokens are cached; those start computed. With chunked
    prefill the last one admitted may get only the first chunk of the rest; without, the whole rest must fit.
 
-A sequence that will fork into ``num_samples`` samples (parallel sampling, ``n > 1``) holds that many of the
-``max_num_seqs`` places from its admission on. The engine samples only for sequences whose chunk reached the end
-of their tokens; a chunk in the middle of a prompt produces no token.
+A sequence that will fork into ``n`` samples (parallel sampling: ``num_samples[request_id] = n``) holds that many
+of the ``max_num_seqs`` places from its admission on (``num_places``). The engine samples only for sequences whose
+chunk reached the end of their tokens; a chunk in the middle of a prompt produces no token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..ch01_forward.generation import positions_needed
 from ..ch03_batching.scheduler import Scheduler, SchedulerOutput
@@ -28,22 +30,21 @@ from ..ch03_batching.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ChunkedSchedulerOutput(SchedulerOutput):
-    num_scheduled_tokens: dict = field(default_factory=dict)  # seq_id -> tokens it feeds this step
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache by this step's admissions
-
-
-def num_places(seq: Sequence) -> int:
-    """Places among ``max_num_seqs`` that ``seq`` holds: its samples-to-be until it forks them, then 1."""
-    return 1 if seq.output_token_ids else getattr(seq, "num_samples", 1)
 
 
 class ChunkedPrefillScheduler(Scheduler):
     def __init__(self, store, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True):
-        super().__init__(store, max_num_seqs, max_num_batched_tokens, max_model_len)
+                 enable_prefix_caching: bool = True, clock: Callable[[], float] = time.perf_counter):
+        super().__init__(store, max_num_seqs, max_num_batched_tokens, max_model_len, clock)
         self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.num_samples: dict = {}  # request_id -> n, for a request whose sequence will fork into n > 1 samples
+
+    def num_places(self, seq: Sequence) -> int:
+        """Places among ``max_num_seqs`` that ``seq`` holds: its samples-to-be until it forks them, then 1."""
+        return 1 if seq.output_token_ids else self.num_samples.get(seq.request_id, 1)
 
     def check_fits(self, seq: Sequence) -> str | None:
         """Chapter 3's checks; with chunked prefill a prompt longer than the budget is fine (it comes in chunks)."""
@@ -67,23 +68,18 @@ class ChunkedPrefillScheduler(Scheduler):
             if n < 1:  # the rest of its prompt waits for the next step; the decodes behind it run
                 i += 1
                 continue
-            while not self.store.can_ensure(seq.seq_id, seq.num_computed_tokens + n):
-                victim = self.running[-1]  # the most recently admitted (may be seq itself)
-                decodes_behind -= victim is not seq and victim.num_uncomputed_tokens == 1
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                self.store.ensure(seq.seq_id, seq.num_computed_tokens + n)
+            num_preempted = len(out.preempted)
+            if self._make_room(seq, seq.num_computed_tokens + n, out):  # chapter 3's preemption loop
                 self._add(out, seq, n)
                 i += 1
+            if len(out.preempted) > num_preempted:  # the newest left the running list: recount the decodes behind
+                decodes_behind = sum(s.num_uncomputed_tokens == 1 for s in self.running[i:])
         # 2. waiting sequences, in admission order, while places, budget and KV room last
         if not out.preempted:
-            places = self.max_num_seqs - sum(num_places(s) for s in self.running)
+            places = self.max_num_seqs - sum(self.num_places(s) for s in self.running)
             for seq in self.admission_order():
                 left = budget - out.num_batched_tokens
-                if left < 1 or num_places(seq) > places:
+                if left < 1 or self.num_places(seq) > places:
                     break
                 num_cached = self.store.num_cached_tokens(seq.token_ids) if self.enable_prefix_caching else 0
                 rest = seq.num_tokens - num_cached  # the prompt (+ outputs, after a preemption) not yet cached
@@ -95,10 +91,10 @@ class ChunkedPrefillScheduler(Scheduler):
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                places -= num_places(seq)
+                places -= self.num_places(seq)
                 out.num_cached_tokens += num_cached
                 self._add(out, seq, n)
-        assert sum(num_places(s) for s in self.running) <= self.max_num_seqs
+        assert sum(self.num_places(s) for s in self.running) <= self.max_num_seqs
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         return out
 
@@ -118,13 +114,3 @@ class ChunkedPrefillScheduler(Scheduler):
                 return False
             self.store.allocate(seq.seq_id, n)
         return True
-
-    @staticmethod
-    def _add(out: ChunkedSchedulerOutput, seq: Sequence, n: int) -> None:
-        out.scheduled.append(seq)
-        out.num_scheduled_tokens[seq.seq_id] = n
-        out.num_batched_tokens += n
-        if n == 1 and seq.output_token_ids and seq.num_uncomputed_tokens == 1:
-            out.num_decode_seqs += 1
-        else:
-            out.num_prefill_seqs += 1

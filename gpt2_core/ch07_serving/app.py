@@ -67,8 +67,7 @@ def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 51
     store = PrefixCachingKVStore(model.config, num_blocks=num_blocks, block_size=block_size)
     engine = CachingLLMEngine(model, store, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               scheduler_cls=functools.partial(PriorityScheduler, aging_s=aging_s))
-    engine.scheduler.clock = engine.clock  # arrival times are stamped with the engine's clock
-    return engine
+    return engine  # the scheduler got the engine's clock, the one arrival times are stamped with
 
 
 @dataclass

@@ -119,7 +119,7 @@ class EngineLoop:
                     time.sleep(self.step_delay_s)
             self._deliver()
             with self._lock:
-                self._engine_waiting = len(self.engine.scheduler.waiting)
+                self._engine_waiting = self.engine.kv_stats()["num_waiting"]
             self.metrics.update(self.engine, self.num_waiting())
             del self.engine.step_stats[:-MAX_STEP_STATS]
 
@@ -218,9 +218,7 @@ class EngineLoop:
             self.metrics.generation_tokens.inc()  # as they go out: a dashboard's tokens/s is smooth
             self._emit(job, ("token", i, piece, token, lp))
             if text.stopped:  # a stop string: this sample ends here, its blocks freed now
-                if not seq.is_finished:
-                    self.engine.scheduler.finish(seq, FinishReason.STOP)
-                    seq.metrics.finished_time = self.engine.clock()
+                self.engine.finish_request(seq.request_id, FinishReason.STOP)  # if not finished already
                 seq.finish_reason = FinishReason.STOP
         if seq.is_finished and not job.finished[i]:
             rest = text.finish()

@@ -90,18 +90,16 @@ class ServerMetrics:
 
     def update(self, engine, num_waiting: int) -> None:
         """Gauges and the engine's own counters, read between steps (by the engine's thread)."""
-        s = engine.scheduler
-        m = engine.store.manager
-        self.running.set(len(s.running))
+        s = engine.kv_stats()
+        self.running.set(s["num_running"])
         self.waiting.set(num_waiting)
-        used = m.num_used_blocks()
-        self.blocks_used.set(used)
-        self.blocks_free.set(m.num_free_blocks)
-        self.usage.set(used / m.num_blocks)
-        self.hit_rate.set(getattr(m, "hit_rate", 0.0))
-        for key, counter, now in (("queries", self.prefix_queries, getattr(m, "num_queried_tokens", 0)),
-                                  ("hits", self.prefix_hits, getattr(m, "num_hit_tokens", 0)),
-                                  ("preemptions", self.preemptions, s.num_preemptions)):
+        self.blocks_used.set(s["num_used_blocks"])
+        self.blocks_free.set(s["num_free_blocks"])
+        self.usage.set(s["num_used_blocks"] / s["num_blocks"])
+        self.hit_rate.set(s["hit_rate"])
+        for key, counter, now in (("queries", self.prefix_queries, s["queried_tokens"]),
+                                  ("hits", self.prefix_hits, s["hit_tokens"]),
+                                  ("preemptions", self.preemptions, s["num_preemptions"])):
             if now > self._seen[key]:
                 counter.inc(now - self._seen[key])
                 self._seen[key] = now
