@@ -24,6 +24,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..ch04_paged.block_manager import blocks_needed
+from ..ch04_paged.paged_kv_store import FP32, KVCodec
 from .chunked_prefill import ChunkedPrefillScheduler
 from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
@@ -46,15 +47,17 @@ class CachingLLMEngine(LLMEngine):
     def __init__(self, model: GPT2Model, store: PrefixCachingKVStore | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
-                 scheduler_cls: Callable[..., ChunkedPrefillScheduler] = ChunkedPrefillScheduler):
+                 scheduler_cls: Callable[..., ChunkedPrefillScheduler] = ChunkedPrefillScheduler,
+                 kv_codec: KVCodec | None = None):
         check_limits(max_num_seqs, max_num_batched_tokens)  # before the default store takes its memory
         for name, flag in (("enable_prefix_caching", enable_prefix_caching),
                            ("enable_chunked_prefill", enable_chunked_prefill)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise InvalidInputError(f"{name} must be True or False, got {flag!r}")
         if store is None:
-            blocks = int(max_num_seqs) * blocks_needed(model.config.n_positions, 16)
-            store = PrefixCachingKVStore(model.config, num_blocks=blocks, block_size=16)
+            store = self.make_kv_store(model.config, int(max_num_seqs), FP32 if kv_codec is None else kv_codec)
+        elif kv_codec is not None:
+            raise InvalidInputError("kv_codec is for the default store; a store passed in has its own codec")
         elif not isinstance(store, PrefixCachingKVStore):
             raise InvalidInputError(f"the caching engine needs a PrefixCachingKVStore, got {type(store).__name__}")
         super().__init__(model, store=store, max_num_seqs=max_num_seqs,
@@ -67,6 +70,12 @@ class CachingLLMEngine(LLMEngine):
         self.num_prefill_tokens = 0  # prompt (and recomputed) tokens run through the model
         self._sample_ids: set = set()  # (request_id, i) of the samples requests with n > 1 will fork
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache instead
+
+    def make_kv_store(self, config, max_num_seqs: int, codec: KVCodec) -> PrefixCachingKVStore:
+        """The default store: room for ``max_num_seqs`` full contexts in blocks of 16, K/V kept by ``codec``
+        (chapter 4's float32 unless ``kv_codec`` says otherwise: chapter 6's ``Int8Codec``, say)."""
+        blocks = max_num_seqs * blocks_needed(config.n_positions, 16)
+        return PrefixCachingKVStore(config, num_blocks=blocks, block_size=16, codec=codec)
 
     def add_request(self, request: Request, arrival_time: float | None = None,
                     on_token: Callable[[Sequence, int], None] | None = None, n: int = 1) -> int:
