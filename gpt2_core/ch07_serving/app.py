@@ -37,6 +37,7 @@ from starlette.routing import Route
 from ..ch04_paged.block_manager import blocks_needed
 from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
+from ..ch06_quantization.quant_kv_store import kv_codec
 from .priority_scheduler import PriorityScheduler
 from .engine_loop import EngineLoop, Job
 from .metrics import ServerMetrics
@@ -46,12 +47,13 @@ DISCONNECT_POLL_S = 0.25  # how often a handler waiting for its next token check
 
 
 def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 512, num_blocks: int | None = None,
-                 block_size: int = 16, aging_s: float = 60.0) -> CachingLLMEngine:
+                 block_size: int = 16, aging_s: float = 60.0, kv_dtype: str = "fp32") -> CachingLLMEngine:
     """Chapter 5's engine (paged store with prefix caching, chunked prefill, n > 1 by forking) with the priority
-    scheduler. ``num_blocks`` defaults to room for ``max_num_seqs`` full contexts."""
+    scheduler. ``num_blocks`` defaults to room for ``max_num_seqs`` full contexts; ``kv_dtype`` (fp32, fp16 or
+    int8) is the format the blocks keep K/V in (chapter 6's codecs)."""
     if num_blocks is None:
         num_blocks = max_num_seqs * blocks_needed(model.config.n_positions, block_size)
-    store = PrefixCachingKVStore(model.config, num_blocks=num_blocks, block_size=block_size)
+    store = PrefixCachingKVStore(model.config, num_blocks=num_blocks, block_size=block_size, codec=kv_codec(kv_dtype))
     engine = CachingLLMEngine(model, store, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               scheduler_cls=functools.partial(PriorityScheduler, aging_s=aging_s))
     engine.scheduler.clock = engine.clock  # arrival times are stamped with the engine's clock
@@ -289,7 +291,7 @@ def serve_main(args, prepare=None) -> int:
     name = args.served_model_name or (args.model or "gpt2-numpy-embedded")
     app = make_app(model, name, max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                   aging_s=args.priority_aging_s)
+                   aging_s=args.priority_aging_s, kv_dtype=args.kv_dtype)
     sock, host, port = listen(args.host, args.port)
     print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
     run_app(app, sock, args.log_level, args.graceful_shutdown_s, app.state.server.loop)
