@@ -223,12 +223,13 @@ def test_optional_rows_are_skipped_with_a_note(monkeypatch, tmp_path):
     assert "torch/transformers not installed" in skipped["hf_transformers"]
     assert "llama-cpp-python is not installed" in skipped["llamacpp"]
     methods = [r["method"] for r in out["results"]]
-    assert methods == ["naive", "kv_cache", "static", "continuous", "paged", "prefix_cached", "int8", "compute_bound"]
+    assert methods == ["naive", "kv_cache", "static", "continuous", "paged", "prefix_cached", "int8_kv", "int8",
+                       "compute_bound"]
     check_records(out, expected_tokens=12)
     assert [(p["prompt_len"], p["new_tokens"]) for p in out["sweep"]] == [(4, 4), (8, 8)]
 
 
-def check_records(out: dict, expected_tokens: int) -> None:
+def check_records(out: dict, expected_tokens: int, head_dim: int = CONFIG.head_dim) -> None:
     """Every row has the issue's fields; each bound is its roofline at the run's limits; compute_bound is the
     workload's cached FLOPs at the GEMM rate."""
     limits = out["limits"]
@@ -254,6 +255,12 @@ def check_records(out: dict, expected_tokens: int) -> None:
     assert by["naive"]["flops"] > by["kv_cache"]["flops"] == by["continuous"]["flops"] <= by["static"]["flops"]
     assert by["naive"]["kv_bytes_peak"] == 0 < by["kv_cache"]["kv_bytes_peak"] <= by["static"]["kv_bytes_peak"]
     assert by["continuous"]["weight_bytes"] == by["paged"]["weight_bytes"] > 2 * by["int8"]["weight_bytes"]
+    # int8 K/V: the same engine as prefix_cached in D + 4 bytes a head where fp32 keeps 4 D
+    D = head_dim
+    fp32_kv = by["prefix_cached"]["kv_bytes_allocated"]
+    assert by["int8_kv"]["kv_bytes_allocated"] == pytest.approx(fp32_kv * (D + 4) / (4 * D))
+    assert by["int8_kv"]["weight_bytes"] == by["prefix_cached"]["weight_bytes"]
+    assert by["int8_kv"]["bytes_read"] < by["prefix_cached"]["bytes_read"]
 
 
 def test_the_command_replays_a_trace(tmp_path):
@@ -274,10 +281,10 @@ def test_the_command_replays_a_trace(tmp_path):
     assert data["workload"]["name"] == str(trace) and data["workload"]["num_requests"] == 3
     assert data["quick"] is True and "2 layers" in data["model"] and data["duration_s"] > 0
     got = {rec["method"] for rec in data["results"]} | {s["method"] for s in data["skipped"]}
-    assert got >= {"naive", "kv_cache", "static", "continuous", "paged", "prefix_cached", "int8", "int8_numba",
-                   "hf_transformers", "llamacpp", "compute_bound"}
+    assert got >= {"naive", "kv_cache", "static", "continuous", "paged", "prefix_cached", "int8_kv", "int8",
+                   "int8_numba", "hf_transformers", "llamacpp", "compute_bound"}
     assert all(s["reason"] for s in data["skipped"])
-    check_records(data, expected_tokens=15)
+    check_records(data, expected_tokens=15, head_dim=64)  # GPT-2's widths
     assert data["final_method"] in ("continuous", "paged", "prefix_cached")
     assert "compute_bound" in r.stdout and "sweep" in r.stdout
 

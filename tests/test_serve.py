@@ -309,6 +309,31 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(model):
         assert re.search(r"gpt2_kv_cache_blocks_used\{[^}]*\} 0\.0", text)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp16"])
+def test_serve_keeps_the_kv_blocks_in_the_kv_dtype_asked(kv_dtype, model):
+    """``serve --kv-dtype int8`` (or fp16): chapter 5's engine over blocks kept by chapter 6's codec. Greedy texts
+    equal those of chapter 5's engine with that codec in process, one request at a time as the client sends them;
+    one of them (int8 K/V part from fp32 K/V after 115 tokens on it) tells the formats apart. Blocks freed."""
+    from gpt2_core.ch03_batching.sequence import Request
+    from gpt2_core.ch05_sharing.caching_engine import CachingLLMEngine
+    from gpt2_core.ch06_quantization.quant_kv_store import kv_codec
+
+    def alone(fmt, prompt, max_tokens):
+        engine = CachingLLMEngine(model, max_num_seqs=4, kv_codec=kv_codec(fmt))
+        out = engine.generate_many([Request(0, model.tokenizer.encode(prompt), max_tokens)])[0]
+        return model.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+
+    jobs = [(p, 24) for p in PROMPTS[:3]] + [("Mr. Darcy was not", 128)]
+    want = [alone(kv_dtype, p, n) for p, n in jobs]
+    assert (want[-1] != alone("fp32", *jobs[-1])) == (kv_dtype == "int8")
+    with ServerProcess("--kv-dtype", kv_dtype, "--plain", "--max-num-seqs", "4") as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused")
+        got = [client.completions.create(model=MODEL, prompt=p, max_tokens=n, temperature=0).choices[0].text
+               for p, n in jobs]
+        assert got == want
+        assert wait_until(lambda: metrics(s.url)["gpt2_kv_cache_blocks_used"] == 0)
+
+
 README = (ROOT / "README.md").read_text()
 
 

@@ -9,6 +9,8 @@ Every engine of the series on one workload, in one run, each beside its own phys
   left-padded, each run to its longest row); ``continuous`` (chapter 3's ``LLMEngine``); ``paged`` (the same
   engine over chapter 4's paged store); ``prefix_cached`` (chapter 5's ``CachingLLMEngine``: paged attention,
   prefix caching, chunked prefill);
+* ``int8_kv`` (chapter 6 inside chapter 5: ``prefix_cached`` with int8 K/V blocks, a scale per token and head, and
+  fp32 weights): the same engine in 3.8x fewer KV bytes, its decoding queries reading int8 K/V;
 * ``int8`` (chapter 6: int8 weights, the tied head too, chapter 3's engine over chapter 4's store) with NumPy's
   path (dequantize, then BLAS) and ``int8_numba`` with the kernel that reads the bytes (in its own process: numba's
   threads slow OpenBLAS in the process they live in; skipped with a note without numba);
@@ -47,8 +49,9 @@ from ..loading.config import GPT2Config, preset
 from ..a1_cpu_kernels import accelerate
 from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..ch02_kv_cache.kv_cache import kv_cache_bytes
-from ..ch04_paged.paged_kv_store import PagedKVStore
+from ..ch04_paged.paged_kv_store import FP32, PagedKVStore
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
+from ..ch06_quantization.quant_kv_store import Int8Codec
 from ..ch06_quantization.quantization import MATRICES, QuantizedEmbedding, bytes_per_token, quantize_model
 from ..ch11_capstone.roofline import (count_work, forward_flops, request_passes, roofline, static_passes,
                                      workload_passes)
@@ -136,8 +139,9 @@ def make_engine(model: GPT2Model, method: str, requests: list[Request], max_num_
     if method == "continuous":
         return LLMEngine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                          max_len=min(longest, model.config.n_positions))
-    if method == "prefix_cached":
-        return CachingLLMEngine(model, PrefixCachingKVStore(model.config, blocks, BLOCK_SIZE),
+    if method in ("prefix_cached", "int8_kv"):
+        codec = Int8Codec() if method == "int8_kv" else FP32
+        return CachingLLMEngine(model, PrefixCachingKVStore(model.config, blocks, BLOCK_SIZE, codec),
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     return LLMEngine(model, store=PagedKVStore(model.config, blocks, BLOCK_SIZE), max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)  # paged, and the quantized rows
@@ -145,14 +149,14 @@ def make_engine(model: GPT2Model, method: str, requests: list[Request], max_num_
 
 def serve_engine(model: GPT2Model, method: str, requests: list[Request], arrivals: bool,
                  max_num_seqs: int = MAX_BATCH) -> dict:
-    """Serve ``requests`` with ``method``'s engine (``continuous``, ``paged``, ``prefix_cached`` or a quantized
-    model's paged engine): offline (``arrivals=False``) or with their arrival times on the wall clock.
+    """Serve ``requests`` with ``method``'s engine (``continuous``, ``paged``, ``prefix_cached``, ``int8_kv`` or a
+    quantized model's paged engine): offline (``arrivals=False``) or with their arrival times on the wall clock.
     -> {outputs, seconds, model_steps, kv_bytes_peak, kv_bytes_allocated, num_preemptions}."""
     engine = make_engine(model, method, requests, max_num_seqs)
     t0 = time.perf_counter()
     outputs = replay(engine, fresh(requests)) if arrivals else engine.generate_many(at_zero(requests))
     seconds = time.perf_counter() - t0
-    per_position = kv_bytes_per_position(model.config)
+    per_position = engine.store.bytes_per_token  # K/V of one position as the store keeps them
     return {"outputs": outputs, "seconds": seconds, "model_steps": engine.num_steps,
             "kv_bytes_peak": per_position * max(s.kv_reserved_tokens for s in engine.step_stats),
             "kv_bytes_allocated": int(engine.store.nbytes), "num_preemptions": engine.scheduler.num_preemptions}
@@ -191,12 +195,13 @@ def median_limits(readings: list[dict]) -> dict:
 
 
 def record(method: str, model: GPT2Model, offline: dict, latency: dict, passes, weights: GPT2Model | None = None,
-           **extra) -> dict:
+           kv_bytes_per_position: int | None = None, **extra) -> dict:
     """One benchmark row: offline throughput, latencies on the arrivals, the work counted (``weights``: the model
-    whose bytes a step reads, if not ``model`` itself)."""
+    whose bytes a step reads, if not ``model`` itself; ``kv_bytes_per_position``: what a decoding query reads per
+    key, if not float32 K/V)."""
     tokens = sum(len(o.output_token_ids) for o in offline["outputs"] if o.finish_reason is not FinishReason.ERROR)
     weights = model if weights is None else weights
-    work = count_work(model.config, passes, offline["model_steps"], bytes_per_token(weights))
+    work = count_work(model.config, passes, offline["model_steps"], bytes_per_token(weights), kv_bytes_per_position)
     return {"method": method, "batch": extra.pop("batch", 1), "tokens_per_s": tokens / offline["seconds"],
             **latency, "kv_bytes_peak": int(offline["kv_bytes_peak"]), "weight_bytes": int(weights.nbytes()),
             "output_tokens": tokens, "seconds": offline["seconds"], **work,
@@ -273,6 +278,14 @@ def batched_row(model: GPT2Model, method: str, requests, engine: str | None = No
     row = record(method, model, offline, latencies_of(online["outputs"]), workload_passes(method, lengths_of(requests)),
                  weights, batch=MAX_BATCH, kv_bytes_allocated=int(offline["kv_bytes_allocated"]), **extra)
     return row, offline["outputs"]
+
+
+def int8_kv_row(model: GPT2Model, requests, weights: GPT2Model | None = None) -> tuple[dict, list]:
+    """Chapter 6's int8 K/V in chapter 5's engine, fp32 weights: ``prefix_cached`` with its blocks kept by
+    ``Int8Codec`` (D int8 values and a float32 scale a head: what a decoding query reads per key)."""
+    codec = Int8Codec()
+    return batched_row(model, "int8_kv", requests, weights=weights, kv_format=codec.name,
+                       kv_bytes_per_position=codec.bytes_per_token(model.config))
 
 
 def quant_model(config: GPT2Config, kernel: str, base: GPT2Model | None = None) -> GPT2Model:
@@ -471,6 +484,7 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     for method, units in (("static", 10), ("continuous", 3), ("paged", 3), ("prefix_cached", 4)):
         rows.append(batched_row(model, method, requests, weights=base)[0])
         progress.advance(units, f"the batched engines: {method} done")
+    rows.append(int8_kv_row(model, requests, base)[0])
     progress.advance(0, "int8 weights")
     readings.append(measure_limits(model))
     paged = next(r for r in rows if r["method"] == "paged")

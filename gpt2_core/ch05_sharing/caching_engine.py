@@ -27,6 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..ch04_paged.block_manager import blocks_needed
+from ..ch04_paged.paged_kv_store import FP32, KVCodec
 from .chunked_prefill import ChunkedPrefillScheduler
 from ..ch03_batching.engine import LLMEngine, ModelForward, RequestOutput
 from ..errors import InvalidInputError, is_integer
@@ -50,13 +51,16 @@ class CachingLLMEngine(LLMEngine):
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
                  scheduler_cls: Callable[..., ChunkedPrefillScheduler] = ChunkedPrefillScheduler,
-                 forward: ModelForward = ragged_forward):
+                 forward: ModelForward = ragged_forward, kv_codec: KVCodec | None = None):
         for name, flag in (("enable_prefix_caching", enable_prefix_caching),
                            ("enable_chunked_prefill", enable_chunked_prefill)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise InvalidInputError(f"{name} must be True or False, got {flag!r}")
+        if store is not None and kv_codec is not None:
+            raise InvalidInputError("kv_codec is for the default store; a store passed in has its own codec")
         if store is not None and not isinstance(store, PrefixCachingKVStore):
             raise InvalidInputError(f"the caching engine needs a PrefixCachingKVStore, got {type(store).__name__}")
+        self.kv_codec = FP32 if kv_codec is None else kv_codec  # read by make_kv_store, during super().__init__
         scheduler_cls = functools.partial(scheduler_cls, enable_chunked_prefill=enable_chunked_prefill,
                                           enable_prefix_caching=enable_prefix_caching)
         super().__init__(model, store=store, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -66,9 +70,10 @@ class CachingLLMEngine(LLMEngine):
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache instead
 
     def make_kv_store(self, max_num_seqs: int, max_len: int | None = None) -> PrefixCachingKVStore:
-        """The default store: room for ``max_num_seqs`` sequences of ``max_len`` tokens (the context), blocks of 16."""
+        """The default store: room for ``max_num_seqs`` sequences of ``max_len`` tokens (the context) in blocks of
+        16, K/V kept by the ``kv_codec`` given (chapter 4's float32 by default; chapter 6's ``Int8Codec``, say)."""
         blocks = max_num_seqs * blocks_needed(max_len or self.model.config.n_positions, 16)
-        return PrefixCachingKVStore(self.model.config, num_blocks=blocks, block_size=16)
+        return PrefixCachingKVStore(self.model.config, num_blocks=blocks, block_size=16, codec=self.kv_codec)
 
     def add_request(self, request: Request, arrival_time: float | None = None,
                     on_token: Callable[[Sequence, int], None] | None = None, n: int = 1) -> int:

@@ -11,6 +11,10 @@ The softmax over all S positions is computed one run at a time with an **online 
 weighted sum ``acc`` of its values; two such partial results are merged by rescaling both to the larger maximum,
 ``exp(m_old - m_new)``. After the last run ``acc / l`` is exactly softmax(scores) @ V, up to float32 rounding, and
 no [H, S] score array of the whole sequence, and no copy of its K/V, is ever made.
+
+A pool that keeps K/V in fewer bytes (chapter 6 hands the store an fp16 or int8 codec) is decoded run by run, as
+attention reads it: only the blocks read are turned back into float32, one run at a time. Chapter 4's float32 codec
+decodes nothing, and a run stays a view.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheCapacityError
-from ..ch04_paged.paged_kv_store import PagedKVStore
+from ..ch04_paged.paged_kv_store import FP32, KVCodec, PagedKVStore
 
 
 def contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
@@ -29,10 +33,12 @@ def contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return [(int(slots[a]), int(slots[b - 1]) + 1) for a, b in zip(starts, ends)]
 
 
-def paged_decode_attention(q, pool, runs):  # q [H, 1, D] scaled; pool [slots, 2, H, D]; runs [(first, end)]
-    """One query against the K/V held in ``pool[first:end]`` for every run, in position order: [H, 1, D]."""
+def paged_decode_attention(q, pool, runs, codec=FP32, scales=None):  # q [H, 1, D] scaled; pool [slots, 2, H, D]
+    """One query against the K/V held in ``pool[first:end]`` (kept by ``codec``, with ``scales`` [slots, 2, H] if it
+    keeps scales) for every run ``(first, end)`` of ``runs``, in position order: [H, 1, D]."""
     for i, (first, end) in enumerate(runs):
-        kv = pool[first:end]  # [n, 2, H, D]: a view of the pool, nothing copied
+        # [n, 2, H, D] float32: for fp32 a view of the pool, nothing copied; another codec decodes this run only
+        kv = codec.decode(pool[first:end], None if scales is None else scales[first:end])
         s = q @ kv[:, 0].transpose(1, 2, 0)  # [H, 1, n] scores of this run's keys
         m_run = s.max(axis=-1, keepdims=True)  # [H, 1, 1] the run's own maximum
         p = np.exp(s - m_run)  # [H, 1, n]
@@ -53,8 +59,8 @@ class PagedAttentionKVStore(PagedKVStore):
     a decoding token is scattered into its slot and attended to without a gather.
     """
 
-    def __init__(self, config, num_blocks: int, block_size: int = 16, dtype=np.float32):
-        super().__init__(config, num_blocks, block_size, dtype)
+    def __init__(self, config, num_blocks: int, block_size: int = 16, codec: KVCodec = FP32):
+        super().__init__(config, num_blocks, block_size, codec)
         self.runs: dict[object, tuple[int, list]] = {}  # seq_id -> (num_tokens, its runs), reused by every layer
 
     def attend_decode(self, seq_id, layer: int, start: int, q, k, v):
@@ -62,13 +68,12 @@ class PagedAttentionKVStore(PagedKVStore):
         if not 0 <= start < len(slots):
             raise CacheCapacityError(f"sequence {seq_id!r}: position {start} is outside its {len(slots)} reserved "
                                      f"slots (call ensure first)")
-        pool = self.kv[layer]  # [slots, 2, H, D]
-        pool[slots[start], 0] = k[:, 0]  # [H, D]: the new token's K and V into its slot, nothing gathered
-        pool[slots[start], 1] = v[:, 0]
+        self.write(layer, slots[start:start + 1], k, v)  # the new token's K and V into its slot, nothing gathered
         self.written[seq_id] = max(self.written[seq_id], start + 1)
         if self.runs.get(seq_id, (None,))[0] != start + 1:  # a new length: layer 0 of this step finds the runs
             self.runs[seq_id] = (start + 1, contiguous_runs(slots[:start + 1]))
-        return paged_decode_attention(q, pool, self.runs[seq_id][1])
+        scales = None if self.scales is None else self.scales[layer]  # [slots, 2, H] if the codec keeps scales
+        return paged_decode_attention(q, self.kv[layer], self.runs[seq_id][1], self.codec, scales)
 
     def _refresh_slots(self, seq_id) -> None:
         super()._refresh_slots(seq_id)

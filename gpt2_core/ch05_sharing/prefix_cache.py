@@ -16,10 +16,9 @@ block before (vLLM, nano-vllm): equal hashes mean an equal prefix up to the bloc
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..ch04_paged.block_manager import BlockAllocator, BlockManager, blocks_needed
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
+from ..ch04_paged.paged_kv_store import FP32, KVCodec
 from .paged_attention import PagedAttentionKVStore
 
 ROOT_HASH = 0  # the "parent" of a sequence's first block
@@ -224,8 +223,8 @@ class PrefixCachingKVStore(PagedAttentionKVStore):
     """The paged-attention store over a ``PrefixCachingBlockManager``: ``allocate_prefix`` shares a prompt's cached
     blocks and says how many tokens need no computing; ``cache_blocks`` registers blocks as they are computed."""
 
-    def __init__(self, config, num_blocks: int, block_size: int = 16, dtype=np.float32):
-        super().__init__(config, num_blocks, block_size, dtype)
+    def __init__(self, config, num_blocks: int, block_size: int = 16, codec: KVCodec = FP32):
+        super().__init__(config, num_blocks, block_size, codec)
         self.manager = PrefixCachingBlockManager(self.num_blocks, self.block_size)
 
     def num_cached_tokens(self, token_ids) -> int:

@@ -45,6 +45,7 @@ from starlette.routing import Route
 from ..ch04_paged.block_manager import blocks_needed
 from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
+from ..ch06_quantization.quant_kv_store import kv_codec
 from .chat import ChatCompletions
 from .http_metrics import HTTPMetrics
 from .priority_scheduler import PriorityScheduler
@@ -59,12 +60,13 @@ DISCONNECT_POLL_S = 0.25  # how often a handler waiting for its next token check
 
 
 def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 512, num_blocks: int | None = None,
-                 block_size: int = 16, aging_s: float = 60.0) -> CachingLLMEngine:
+                 block_size: int = 16, aging_s: float = 60.0, kv_dtype: str = "fp32") -> CachingLLMEngine:
     """Chapter 5's engine (paged store with prefix caching, chunked prefill, n > 1 by forking) with the priority
-    scheduler. ``num_blocks`` defaults to room for ``max_num_seqs`` full contexts."""
+    scheduler. ``num_blocks`` defaults to room for ``max_num_seqs`` full contexts; ``kv_dtype`` (fp32, fp16 or
+    int8) is the format the blocks keep K/V in (chapter 6's codecs)."""
     if num_blocks is None:
         num_blocks = max_num_seqs * blocks_needed(model.config.n_positions, block_size)
-    store = PrefixCachingKVStore(model.config, num_blocks=num_blocks, block_size=block_size)
+    store = PrefixCachingKVStore(model.config, num_blocks=num_blocks, block_size=block_size, codec=kv_codec(kv_dtype))
     engine = CachingLLMEngine(model, store, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               scheduler_cls=functools.partial(PriorityScheduler, aging_s=aging_s))
     return engine  # the scheduler got the engine's clock, the one arrival times are stamped with
@@ -351,6 +353,10 @@ def serve_main(args, prepare=None, build=None) -> int:
         origins = [o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()]
         engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            num_blocks=args.num_blocks, aging_s=args.priority_aging_s)
+        if build is None:
+            engine_args["kv_dtype"] = args.kv_dtype
+        elif args.kv_dtype != "fp32":
+            raise SystemExit("--kv-dtype with --speculative: the speculative engine keeps its K/V in float32")
         app = make_app(model, name, engine=None if build is None else build(model, **engine_args),
                        max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, api_key=args.api_key,
                        open_paths=[p for p in args.open_paths.split(",") if p], allowed_origins=origins,

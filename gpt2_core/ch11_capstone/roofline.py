@@ -45,12 +45,14 @@ def static_passes(batch: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(T, T, 1)] * B + [(1, T + j, 1) for j in range(1, steps) for _ in range(B)]
 
 
-def count_work(config: GPT2Config, passes, model_steps: int, weight_bytes: int) -> dict:
+def count_work(config: GPT2Config, passes, model_steps: int, weight_bytes: int,
+               kv_bytes_per_position: int | None = None) -> dict:
     """FLOPs and bytes of ``passes`` ((queries, keys, head_rows) per sequence-pass) run in ``model_steps`` model
     steps: each step reads every weight once (``weight_bytes``, what a batch-1 step reads); each decoding query
-    reads the K/V of its keys (float32, 2 L E floats a position). Prefill attention reads the K/V it has just
-    written (in cache) and is not charged."""
-    kv_per_position = 2 * config.n_layer * config.n_embd * 4
+    reads the K/V of its keys (``kv_bytes_per_position`` each; default float32, 2 L E floats a position: int8 K/V
+    with their scales read fewer). Prefill attention reads the K/V it has just written (in cache) and is not
+    charged."""
+    kv_per_position = 2 * config.n_layer * config.n_embd * 4 if kv_bytes_per_position is None else kv_bytes_per_position
     flops = sum(forward_flops(config, q, k, h) for q, k, h in passes)
     kv_read = sum(k * kv_per_position for q, k, _ in passes if q == 1)
     return {"flops": int(flops), "bytes_read": int(model_steps * weight_bytes + kv_read),
