@@ -39,7 +39,7 @@ class PagedKVStore(KVStore):
         self.manager = BlockManager(num_blocks, block_size)  # checks both counts
         num_blocks, block_size = self.manager.allocator.num_blocks, self.manager.block_size  # as Python ints
         self.config, self.dtype, self.block_size, self.num_blocks = config, np.dtype(dtype), block_size, num_blocks
-        L, H, D = config.n_layer, config.n_head, config.head_dim
+        L, H, D = config.n_layer, config.n_kv_head, config.head_dim
         self.kv = claimed_zeros((L, num_blocks * block_size, 2, H, D), dtype,  # [L, slots, K/V, H, D]
                                 f"a paged KV pool of {num_blocks} blocks x {block_size} tokens (lower num_blocks)")
         self.slots: dict[object, np.ndarray] = {}  # seq_id -> pool slot of each position it has room for
@@ -119,7 +119,7 @@ class PagedKVStore(KVStore):
         ``update`` (no allocation per call)."""
         if self._scratch is None:
             c = self.config
-            self._scratch = np.empty(self.max_len * 2 * c.n_head * c.head_dim, dtype=self.dtype)
+            self._scratch = np.empty(self.max_len * 2 * c.n_kv_head * c.head_dim, dtype=self.dtype)
         return self._scratch
 
     def fork(self, parent, child) -> None:

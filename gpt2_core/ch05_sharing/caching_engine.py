@@ -12,7 +12,8 @@ What a step does differently from chapter 3's:
   is copied on the first write). Sample ``i`` samples with seed ``seed + i``, as vLLM seeds its samples, so it
   gives the tokens of a lone request with that seed.
 
-Decode attention reads the blocks in place (``PagedAttentionKVStore``), through chapter 3's ``ragged_forward``.
+Decode attention reads the blocks in place (``PagedAttentionKVStore``), through chapter 3's ``model_step`` (the
+``ragged_forward`` of the model's architecture).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..ch04_paged.block_manager import blocks_needed
 from .chunked_prefill import ChunkedPrefillScheduler
 from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
-from ..ch03_batching.model_runner import Chunk, ragged_forward
+from ..ch03_batching.model_runner import Chunk, model_step
 from .prefix_cache import PrefixCachingKVStore
 from ..ch01_forward.sampling import Sampler
 from ..ch03_batching.scheduler import check_limits
@@ -140,7 +141,7 @@ class CachingLLMEngine(LLMEngine):
             b = a + plan.num_scheduled_tokens[seq.seq_id]
             chunks.append(Chunk(seq.seq_id, np.asarray(seq.token_ids[a:b], dtype=np.int64), a))
         try:
-            logits = ragged_forward(self.model, self.store, chunks)  # [B, V]
+            logits = model_step(self.model, self.store, chunks)  # [B, V]
         except BaseException:  # incl. Ctrl-C: nothing was sampled, so every sequence of the step waits again
             for seq in reversed(plan.scheduled):
                 self.scheduler.requeue(seq)

@@ -40,14 +40,14 @@ class Int8PagedKVStore(PagedKVStore):
 
     def __init__(self, config: GPT2Config, num_blocks: int, block_size: int = 16):
         super().__init__(config, num_blocks, block_size, dtype=np.int8)
-        L, H = config.n_layer, config.n_head
+        L, H = config.n_layer, config.n_kv_head
         self.scales = claimed_zeros((L, self.num_blocks * self.block_size, 2, H), np.float32,
                                     f"the scales of an int8 KV pool of {self.num_blocks} blocks (lower num_blocks)")
 
     @staticmethod
     def token_bytes(config: GPT2Config) -> int:
         """K and V of one token in every layer and head: D int8 values and one float32 scale each."""
-        return 2 * config.n_layer * config.n_head * (config.head_dim + 4)
+        return 2 * config.n_layer * config.n_kv_head * (config.head_dim + 4)
 
     @classmethod
     def from_budget(cls, config: GPT2Config, budget_bytes: int, block_size: int = 16):
@@ -98,7 +98,7 @@ class Int8PagedKVStore(PagedKVStore):
     def _gather_buffer(self) -> np.ndarray:
         if self._scratch is None:
             c = self.config
-            self._scratch = np.empty(self.max_len * 2 * c.n_head * c.head_dim, dtype=np.float32)
+            self._scratch = np.empty(self.max_len * 2 * c.n_kv_head * c.head_dim, dtype=np.float32)
         return self._scratch
 
     def read(self, seq_id, layer: int, num_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +113,7 @@ def kv_bytes_per_token(config: GPT2Config, fmt: str) -> int:
     check_kv_format(fmt)
     if fmt == "int8":
         return Int8PagedKVStore.token_bytes(config)
-    return 2 * config.n_layer * config.n_head * config.head_dim * (4 if fmt == "fp32" else 2)
+    return 2 * config.n_layer * config.n_kv_head * config.head_dim * (4 if fmt == "fp32" else 2)
 
 
 def paged_store(config: GPT2Config, fmt: str, budget_bytes: int, block_size: int = 16) -> KVStore:
