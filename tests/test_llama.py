@@ -213,9 +213,9 @@ def test_smollm2_against_transformers_stored(smol):
 
 def test_smollm2_against_transformers_live(smol):
     """The same comparison against transformers run here, when torch, transformers and gguf are installed."""
+    transformers = pytest.importorskip("transformers")  # first: without it, torch is not imported at all
     pytest.importorskip("torch")
     pytest.importorskip("gguf")
-    transformers = pytest.importorskip("transformers")
     path = smollm2_or_skip()
     import torch
 
