@@ -23,7 +23,7 @@ PACKAGE = ROOT / "gpt2_core"
 CHAPTER = re.compile(r"^ch(\d{2})_[a-z0-9_]+$")  # two digits, so that `ls` lists them in course order
 CHAPTERS = sorted((p.name for p in PACKAGE.iterdir() if CHAPTER.match(p.name)), key=lambda n: int(CHAPTER.match(n)[1]))
 FLOOR = ["errors", "loading"]  # what any chapter may import besides earlier chapters
-TOOLING = ["bench", "a1_cpu_kernels", "classroom", "__main__", "__init__"]  # above the chapters
+TOOLING = ["bench", "a1_cpu_kernels", "classroom", "diagrams", "__main__", "__init__"]  # above the chapters
 TOP_LEVEL = sorted(["__init__.py", "__main__.py", "errors.py", "classroom.py", "data", "loading", "bench",
                     "a1_cpu_kernels", *CHAPTERS])
 
