@@ -82,12 +82,11 @@ DELEGATING = {
                               "    return block_manager.internal_fragmentation(lengths, block_size)",
     "choose_block_size": "def choose_block_size(lengths, candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), max_waste=0.05):\n"
                          "    return block_manager.choose_block_size(lengths, candidates, max_waste)",
-    "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
     "predict_speed": "def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)",
     "row_parallel": "def row_parallel_c_proj(x, weight, bias, world, all_reduce):\n"
                     "    return split_row_parallel(x, weight, bias, world, all_reduce)",
-    "predict_bubble": "def bubble_from_stage_times(stage_seconds, micro_batches):\n"
-                      "    return predicted_bubble(stage_seconds, micro_batches)",
+    "pipeline_schedule": "def pipeline_schedule(stage_seconds, micro_batches):\n"
+                         "    return gpipe_schedule(stage_seconds, micro_batches)",
     "predict_bound": "def predict_kv_cache_bound(config, lengths, weight_bytes, flops_per_s, bytes_per_s):\n"
                      "    w = C.count_work(config, C.workload_passes('kv_cache', lengths), sum(n for _, n in lengths),\n"
                      "                     weight_bytes)\n"
