@@ -73,35 +73,18 @@ def solve_first_exercise(reference: dict, student: dict) -> dict:
 # Answers that only call the package's own version of what the exercise asks for (each would pass the visible
 # tests); the hidden tests must fail them with ``classroom.out_of_reach``.
 DELEGATING = {
-    "attention_by_rows": "def attention_by_rows(q, k, v):\n    return attention(q, k, v)",
-    "padding_mask": "def padding_mask(key_mask, num_queries):\n"
-                    "    return left_padding_attention_mask(key_mask, num_queries)",
-    "prefill_in_chunks": "def prefill_in_chunks(model, token_ids, chunk_size):\n"
-                         "    logits, cache = prefill(model, token_ids, capacity=len(token_ids), last_only=True)\n"
-                         "    return logits[0], cache",
-    "ragged_rows": "def ragged_rows(chunks):\n    return ragged_layout(chunks)",
-    "block_table_ensure": "class MyBlockManager(BlockManager):\n"
-                          "    def ensure(self, seq_id, num_tokens):\n        return super().ensure(seq_id, num_tokens)",
-    "block_hashes": "def block_hashes(token_ids, block_size):\n    return prefix_cache.block_hashes(token_ids, block_size)",
-    "predict_speed": "def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)",
-    "row_parallel": "def row_parallel_c_proj(x, weight, bias, world, all_reduce):\n"
-                    "    return split_row_parallel(x, weight, bias, world, all_reduce)",
-    "predict_bubble": "def bubble_from_stage_times(stage_seconds, micro_batches):\n"
-                      "    return predicted_bubble(stage_seconds, micro_batches)",
-    "predict_bound": "def predict_kv_cache_bound(config, lengths, weight_bytes, flops_per_s, bytes_per_s):\n"
-                     "    w = C.count_work(config, C.workload_passes('kv_cache', lengths), sum(n for _, n in lengths),\n"
-                     "                     weight_bytes)\n"
-                     "    b = C.roofline(w['flops'], w['bytes_read'], sum(n for _, n in lengths), flops_per_s, bytes_per_s)\n"
-                     "    return b['bound_tokens_per_s'], b['bound_kind']",
-    "accept_reject": "def accept_reject(draft_tokens, draft_probs, target_probs, rng):\n"
-                     "    return rejection_sample(draft_tokens, draft_probs, target_probs, rng)",
-    "best_k": "def best_num_speculative_tokens(alpha, verify_cost, draft_cost=0.0):\n"
-              "    return max(sorted(verify_cost), key=lambda k: expected_speedup(alpha, k, verify_cost[k], draft_cost))",
-    "shortest_over": "def shortest_over(measure, lengths, threshold=100.0):\n"
-                     "    for p, n in lengths:  # one at a time, as the visible test wants; the package decides\n"
-                     "        if C.shortest_span_over([dict(measure(p, n), prompt_len=p, new_tokens=n)], threshold):\n"
-                     "            return p, n\n"
-                     "    return None",
+    'attention_by_rows': 'def attention_by_rows(q, k, v):\n    return attention(q, k, v)',
+    'padding_mask': 'def padding_mask(key_mask, num_queries):\n    return left_padding_attention_mask(key_mask, num_queries)',
+    'prefill_in_chunks': 'def prefill_in_chunks(model, token_ids, chunk_size):\n    logits, cache = prefill(model, token_ids, capacity=len(token_ids), last_only=True)\n    return logits[0], cache',
+    'ragged_rows': 'def ragged_rows(chunks):\n    return ragged_layout(chunks)',
+    'block_table_ensure': 'class MyBlockManager(BlockManager):\n    def ensure(self, seq_id, num_tokens):\n        return super().ensure(seq_id, num_tokens)',
+    'predict_speed': 'def predicted_tokens_per_s(model, bytes_per_s):\n    return bytes_per_s / Q.bytes_per_token(model)',
+    'row_parallel': 'def row_parallel_c_proj(x, weight, bias, world, all_reduce):\n    return split_row_parallel(x, weight, bias, world, all_reduce)',
+    'accept_reject': 'def accept_reject(draft_tokens, draft_probs, target_probs, rng):\n    return rejection_sample(draft_tokens, draft_probs, target_probs, rng)',
+    'best_k': 'def best_num_speculative_tokens(alpha, verify_cost, draft_cost=0.0):\n    return max(sorted(verify_cost), key=lambda k: expected_speedup(alpha, k, verify_cost[k], draft_cost))',
+    'shortest_over': 'def shortest_over(measure, lengths, threshold=100.0):\n    lo, hi = 0, len(lengths)  # a binary search, as the visible test wants; the package decides\n    while lo < hi:\n        mid = (lo + hi) // 2\n        p, n = lengths[mid]\n        if C.shortest_span_over([dict(measure(p, n), prompt_len=p, new_tokens=n)], threshold):\n            hi = mid\n        else:\n            lo = mid + 1\n    return tuple(lengths[lo]) if lo < len(lengths) else None',
+    'pipeline_schedule': 'def pipeline_schedule(stage_seconds, micro_batches):\n    return gpipe_schedule(stage_seconds, micro_batches)',
+    'predict_static_bound': "def predict_static_bound(config, lengths, step_bytes, flops_per_s, bytes_per_s, batch=32):\n    steps = sum(max(n for _, n in lengths[i:i + batch]) for i in range(0, len(lengths), batch))\n    w = C.count_work(config, C.workload_passes('static', lengths, batch), steps, step_bytes)\n    b = C.roofline(w['flops'], w['bytes_read'], sum(n for _, n in lengths), flops_per_s, bytes_per_s)\n    return b['bound_tokens_per_s'], b['bound_kind']",
 }
 
 

@@ -25,7 +25,7 @@ CHAPTERS = sorted((p.name for p in PACKAGE.iterdir() if CHAPTER.match(p.name)), 
 FLOOR = ["errors", "loading"]  # what any chapter may import besides earlier chapters
 TOOLING = ["bench", "a1_cpu_kernels", "classroom", "diagrams", "__main__", "__init__"]  # above the chapters
 TOP_LEVEL = sorted(["__init__.py", "__main__.py", "errors.py", "classroom.py", "data", "loading", "bench",
-                    "a1_cpu_kernels", *CHAPTERS])
+                    "a1_cpu_kernels", "diagrams", *CHAPTERS])
 
 
 def part_of(module: str) -> str | None:

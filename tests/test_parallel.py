@@ -341,6 +341,27 @@ def test_split_row_parallel_and_predicted_bubble():
     assert predicted_bubble([1.0, 3.0], 2) == pytest.approx(1 - 2 * 4 / (2 * (4 + 3)))
 
 
+
+def test_gpipe_schedule_keeps_the_order_and_gives_the_predicted_bubble():
+    from gpt2_core.ch08_parallel.pipeline_parallel import gpipe_schedule, predicted_bubble
+    from gpt2_core.errors import InvalidInputError
+
+    assert gpipe_schedule([1.0, 2.0], 2) == [[(0.0, 1.0), (1.0, 2.0)], [(1.0, 3.0), (3.0, 5.0)]]
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        times, m = rng.uniform(0.1, 3.0, size=int(rng.integers(1, 5))).tolist(), int(rng.integers(1, 9))
+        busy = gpipe_schedule(times, m)
+        for s, stage in enumerate(busy):
+            assert all(b - a == pytest.approx(times[s]) for a, b in stage)
+            assert all(stage[i][1] <= stage[i + 1][0] + 1e-12 for i in range(m - 1))  # one at a time, in order
+            if s:
+                assert all(busy[s - 1][i][1] <= stage[i][0] + 1e-12 for i in range(m))  # after the stage before
+        assert bubble_fraction(busy) == pytest.approx(predicted_bubble(times, m))
+    with pytest.raises(InvalidInputError, match="micro_batches"):
+        gpipe_schedule([1.0], 0)
+    with pytest.raises(InvalidInputError, match="stage_seconds"):
+        gpipe_schedule([], 2)
+
 DRIVER = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})

@@ -48,6 +48,26 @@ def predicted_bubble(stage_seconds, micro_batches: int) -> float:
     return 1.0 - m * total / (p * (total + (m - 1) * max(stage_seconds)))
 
 
+def gpipe_schedule(stage_seconds, micro_batches: int) -> list[list[tuple[float, float]]]:
+    """The (start, end) of every micro-batch on every stage when stage s takes ``stage_seconds[s]`` per micro-batch
+    and hand-offs are free: micro-batch i starts on stage s once it has left stage s-1 and stage s has finished
+    micro-batch i-1. The result has ``bubble_fraction``'s shape; its bubble is ``predicted_bubble``'s."""
+    if not is_integer(micro_batches, 1):
+        raise InvalidInputError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if len(stage_seconds) == 0 or any(t < 0 for t in stage_seconds):
+        raise InvalidInputError(f"stage_seconds must be one time >= 0 per stage, got {list(stage_seconds)!r}")
+    busy = []
+    for s, t in enumerate(stage_seconds):
+        ends = [0.0] * micro_batches if s == 0 else [end for _, end in busy[-1]]  # when each left stage s-1
+        stage, free_at = [], 0.0
+        for i in range(micro_batches):
+            start = max(ends[i], free_at)  # micro-batch i has arrived, and the stage is free
+            stage.append((start, start + float(t)))
+            free_at = start + float(t)
+        busy.append(stage)
+    return busy
+
+
 def bubble_fraction(busy: list[list[tuple[float, float]]]) -> float:
     """Measured idle fraction: 1 - (time the stages computed) / (stages x wall time from first start to last end).
     ``busy[s]`` is stage s's list of (start, end) compute intervals (``time.perf_counter``, one clock for all)."""
