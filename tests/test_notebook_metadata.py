@@ -12,7 +12,12 @@ import pytest
 from helpers import ROOT
 
 NOTEBOOKS = sorted([*(ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(ROOT / "notebooks").glob("A[0-9]_*.ipynb")])
+assert NOTEBOOKS, "no chapter notebooks found"
 MAX_LOAD = 1.0  # the script starts only below 0.5; a record at 1 or more was not made by it
+# New chapters committed before the machine was quiet enough to execute them for commit: they must show no outputs
+# at all (nothing measured in quick mode or on a busy machine), until data/execute_notebooks.py runs them and this
+# set loses their names (the test below fails for a name here whose notebook has a record, so it cannot go stale).
+AWAITING_QUIET_EXECUTION = {"10_speculative_decoding"}
 
 
 def record_problems(record) -> list[str]:
@@ -35,7 +40,13 @@ def record_problems(record) -> list[str]:
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.stem for n in NOTEBOOKS])
 def test_a_committed_notebook_is_a_quiet_full_size_execution(notebook):
-    record = json.loads(notebook.read_text())["metadata"].get("gpt2_core")
+    nb = json.loads(notebook.read_text())
+    record = nb["metadata"].get("gpt2_core")
+    if notebook.stem in AWAITING_QUIET_EXECUTION:
+        assert record is None, f"{notebook.name} has its record now: remove it from AWAITING_QUIET_EXECUTION"
+        shown = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and c.get("outputs")]
+        assert not shown, f"{notebook.name} awaits its quiet execution but shows outputs in cells {shown}"
+        return
     problems = record_problems(record)
     assert not problems, f"{notebook.name}: " + "; ".join(problems)
 
