@@ -102,9 +102,10 @@ class LLMEngine:
                  clock: Callable[[], float] = time.perf_counter, scheduler_cls: type[Scheduler] = Scheduler,
                  forward: ModelForward = model_step):
         check_limits(max_num_seqs, max_num_batched_tokens)  # before a default store takes its memory
-        if max_len is not None and (store is not None or not is_integer(max_len, 1)):
-            raise InvalidInputError(f"max_len sizes the default store, so it must be a positive integer and come "
-                                    f"without a store (which has its own size), got {max_len!r}")
+        if max_len is not None and not is_integer(max_len, 1):
+            raise InvalidInputError(f"max_len must be a positive integer, got {max_len!r}")
+        if max_len is not None and store is not None:
+            raise InvalidInputError("max_len sizes the default store; a store passed in has its own size")
         if not callable(forward):
             raise InvalidInputError(f"forward must be a function (model, store, chunks) -> logits, got {forward!r}")
         self.model, self.clock, self.forward = model, clock, forward

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import InvalidInputError, is_integer
 from ..ch01_forward.model import lm_head
-from .process_group import BARRIER_TIMEOUT_S, CONTEXT, ProcessGroup
+from .process_group import BARRIER_TIMEOUT_S, CONTEXT, OwnsGroup, ProcessGroup
 from .tensor_parallel import BatchKVCache, no_communication, part, tp_block
 from ..loading.weights import GPT2Model
 
@@ -143,7 +143,7 @@ class PipelineStage:
         return t0, time.perf_counter()
 
 
-class PipelineModel:
+class PipelineModel(OwnsGroup):
     """GPT-2 in ``n_stages`` processes (2: layers 0-5 and 6-11 of GPT-2 small). ``generate(prompts, n, m)`` runs a
     batch of equal-length prompts in ``m`` micro-batches and returns greedy tokens; ``last_stats`` the stages'
     compute intervals (for ``bubble_fraction``), waits and copy times."""
@@ -188,12 +188,3 @@ class PipelineModel:
         if B > self.max_batch or T + new > min(self.max_tokens, self.model.config.n_positions):
             raise InvalidInputError(f"{B} prompts of {T} + {new} tokens exceed max_batch={self.max_batch}, "
                                     f"max_tokens={self.max_tokens} or n_ctx={self.model.config.n_positions}")
-
-    def close(self) -> None:
-        self.group.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -264,3 +264,18 @@ class ProcessGroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class OwnsGroup:
+    """``close()`` and ``with`` for a class whose workers are ``self.group`` (a ``ProcessGroup``)."""
+
+    group: ProcessGroup
+
+    def close(self) -> None:
+        self.group.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

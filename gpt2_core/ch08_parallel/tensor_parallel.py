@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import CacheCapacityError, InvalidInputError, is_integer
 from ..ch01_forward.model import attention, gelu, layer_norm, linear, lm_head
-from .process_group import BARRIER_TIMEOUT_S, ProcessGroup
+from .process_group import BARRIER_TIMEOUT_S, OwnsGroup, ProcessGroup
 from ..loading.weights import GPT2Model
 
 
@@ -201,7 +201,7 @@ class TensorParallelWorker:
 
 # --- the driver ---------------------------------------------------------------------------------------------------
 
-class TensorParallelModel:
+class TensorParallelModel(OwnsGroup):
     """A GPT-2 split over ``world_size`` worker processes. The driver embeds the tokens, writes them into shared
     memory and reads the gathered logits back; the workers run every block. Greedy ``generate`` equals chapter 2's.
 
@@ -285,12 +285,3 @@ class TensorParallelModel:
                 logits = self.decode_step(new[-1])
         out = np.stack(new, axis=1)  # [B, n]
         return out[0] if ids.ndim == 1 else out
-
-    def close(self) -> None:
-        self.group.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -23,7 +23,7 @@ from ..ch04_paged.paged_kv_store import PagedKVStore, slot_indices
 from ..ch05_sharing.paged_attention import contiguous_runs, paged_decode_attention
 from ..errors import InvalidInputError, is_integer
 from ..loading.weights import GPT2Model
-from .process_group import ProcessGroup
+from .process_group import OwnsGroup, ProcessGroup
 from .tensor_parallel import SharedMemoryAllReduce, part, shard_params
 
 
@@ -99,7 +99,7 @@ class RaggedWorker:
         self.arrays["logits"][:len(chunks), self.vocab] = lm_head(self.shard, x[ends - 1], self.eps)  # [B, V/w]
 
 
-class TensorParallelRunner:
+class TensorParallelRunner(OwnsGroup):
     """``forward(model, store, chunks)`` over ``world_size`` worker processes, for chapter 5's engine::
 
         store = PrefixCachingKVStore(model.config, num_blocks, block_size)
@@ -146,12 +146,3 @@ class TensorParallelRunner:
         for c in chunks:  # the store's record of positions written, which a fork shares (its own update keeps it)
             store.written[c.seq_id] = max(store.written[c.seq_id], c.start + len(c.token_ids))
         return self.group.arrays["logits"][:len(chunks)].copy()  # [B, V]: every worker's columns, gathered
-
-    def close(self) -> None:
-        self.group.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
