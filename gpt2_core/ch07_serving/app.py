@@ -46,7 +46,7 @@ from ..ch04_paged.block_manager import blocks_needed
 from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
 from ..ch06_quantization.quant_kv_store import kv_codec
-from .chat import ChatCompletions
+from .chat import ChatCompletions, next_event
 from .http_metrics import HTTPMetrics
 from .priority_scheduler import PriorityScheduler
 from .engine_loop import EngineLoop, Job
@@ -56,7 +56,6 @@ from .protocol import (BadRequest, CompletionRequest, completion_id, max_prompt_
                        parse_json)
 from .utility_routes import UtilityRoutes
 
-DISCONNECT_POLL_S = 0.25  # how often a handler waiting for its next token checks that its client is still there
 
 
 def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 512, num_blocks: int | None = None,
@@ -179,21 +178,7 @@ class Server:
         for job in batch.jobs:  # (a job that finished already is not in the engine: nothing happens)
             self.loop.abort(job.request_id)
 
-    @staticmethod
-    async def _next(events: asyncio.Queue, request: Request):
-        """The next event, or None if the client disconnected while we waited. The client is looked for every
-        ``DISCONNECT_POLL_S`` seconds, tokens arriving or not."""
-        state = request.scope.setdefault("gpt2_core.poll", {"next": time.monotonic() + DISCONNECT_POLL_S})
-        while True:
-            wait = state["next"] - time.monotonic()
-            if wait > 0:
-                try:
-                    return await asyncio.wait_for(events.get(), wait)
-                except asyncio.TimeoutError:
-                    pass
-            state["next"] = time.monotonic() + DISCONNECT_POLL_S
-            if await request.is_disconnected():
-                return None
+    _next = staticmethod(next_event)  # the next event, or None if the client went away (chat's too)
 
     def _chunk(self, batch: Batch, choices: list, usage: dict | None = None) -> dict:
         out = {"id": batch.id, "object": "text_completion", "created": int(time.time()),
