@@ -33,7 +33,7 @@ def alone(model, r):
 
 def test_a_store_of_another_shape_or_a_max_len_beside_a_store_is_refused_when_the_engine_is_built(model):
     other = GPT2Config(vocab_size=101, n_positions=16, n_embd=24, n_head=4, n_layer=2)
-    with pytest.raises(InvalidInputError, match="KV store holds 2 layers x 4 KV heads"):
+    with pytest.raises(InvalidInputError, match="KV store holds 2 layers x 4 heads"):
         LLMEngine(model, store=ContiguousKVStore(other, 2))
     with pytest.raises(InvalidInputError, match="max_len"):
         LLMEngine(model, store=PagedKVStore(TINY, num_blocks=8, block_size=4), max_len=4)

@@ -76,7 +76,7 @@ def check_store_fits(store: KVStore, model: GPT2Model) -> None:
     """A store holds K/V of one shape: the model's layers x heads x head_dim, or the step would fail inside."""
     have, want = store.config, model.config
     if (have.n_layer, have.n_kv_head, have.head_dim) != (want.n_layer, want.n_kv_head, want.head_dim):
-        raise InvalidInputError(f"the KV store holds {have.n_layer} layers x {have.n_kv_head} KV heads x head_dim "
+        raise InvalidInputError(f"the KV store holds {have.n_layer} layers x {have.n_kv_head} heads x head_dim "
                                 f"{have.head_dim}; the model needs {want.n_layer} x {want.n_kv_head} x {want.head_dim}")
 
 
