@@ -13,9 +13,9 @@ so rollback never cuts into one (``truncate`` refuses to).
 
 from __future__ import annotations
 
-import numpy as np
 
 from ..ch04_paged.block_manager import blocks_needed
+from ..ch04_paged.paged_kv_store import FP32, KVCodec
 from ..ch05_sharing.prefix_cache import PrefixCachingBlockManager, PrefixCachingKVStore
 from ..errors import InvalidInputError, is_integer
 
@@ -46,8 +46,8 @@ class SpeculativeKVStore(PrefixCachingKVStore):
     """Chapter 5's store (prefix caching, paged attention) over a ``TruncatingBlockManager``: ``truncate`` rolls
     a sequence back to its accepted tokens."""
 
-    def __init__(self, config, num_blocks: int, block_size: int = 16, dtype=np.float32):
-        super().__init__(config, num_blocks, block_size, dtype)
+    def __init__(self, config, num_blocks: int, block_size: int = 16, codec: KVCodec = FP32):
+        super().__init__(config, num_blocks, block_size, codec)
         self.manager = TruncatingBlockManager(self.num_blocks, self.block_size)
 
     def truncate(self, seq_id, num_tokens: int) -> int:
