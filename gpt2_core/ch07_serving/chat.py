@@ -71,6 +71,8 @@ def parse_chat(body, model_name: str, tokenizer, vocab_size: int, n_ctx: int, ma
     try:
         request = parse_completion(completion, model_name, tokenizer, vocab_size, n_ctx, max_n)
     except BadRequest as e:
+        if e.param == "prompt":  # the rendered conversation is the prompt: the client sent messages
+            raise BadRequest(f"messages: {e}", "messages", code=e.code) from None
         if e.param != "max_tokens" or (limit == "max_tokens" and given is not None):
             raise
         if given is None:  # the default limit (the rest of the context): the conversation alone is too long

@@ -13,7 +13,6 @@ so rollback never cuts into one (``truncate`` refuses to).
 
 from __future__ import annotations
 
-
 from ..ch04_paged.block_manager import blocks_needed
 from ..ch04_paged.paged_kv_store import FP32, KVCodec
 from ..ch05_sharing.prefix_cache import PrefixCachingBlockManager, PrefixCachingKVStore

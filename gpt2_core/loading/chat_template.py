@@ -26,14 +26,23 @@ class TemplateError(InvalidInputError):
     """The template refused the conversation, or is not a valid template (a client's 400, not a server fault)."""
 
 
+def utf8_text(text: str, where: str) -> str:
+    """``text`` if it can be encoded as UTF-8 (JSON can carry a lone surrogate such as \\ud800, which cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInputError(f"{where}.content is not valid text: it holds a lone UTF-16 surrogate") from None
+    return text
+
+
 def message_text(content, where: str) -> str:
     """A message's content as text: a string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts, joined
     with newlines as vLLM joins them for a template that expects text."""
     if isinstance(content, str):
-        return content
+        return utf8_text(content, where)
     if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)) and content and all(
             isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-        return "\n".join(p["text"] for p in content)
+        return utf8_text("\n".join(p["text"] for p in content), where)
     raise InvalidInputError(f"{where}.content must be a string or a list of {{\"type\": \"text\", \"text\": ...}} "
                             f"parts (this model reads text only)")
 
