@@ -176,7 +176,7 @@ class SpeculativeEngine(CachingLLMEngine):
         if seq.num_computed_tokens < seq.num_tokens:
             return []  # a chunk in the middle of its prompt
         samples = [seq]
-        if not seq.output_token_ids and getattr(seq, "num_samples", 1) > 1:
+        if not seq.output_token_ids and self._num_samples(seq.request_id) > 1:
             samples += self._fork(seq)
         out = []
         for s in samples:
