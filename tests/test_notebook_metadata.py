@@ -14,10 +14,10 @@ from helpers import ROOT
 NOTEBOOKS = sorted([*(ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"), *(ROOT / "notebooks").glob("A[0-9]_*.ipynb")])
 assert NOTEBOOKS, "no chapter notebooks found"
 MAX_LOAD = 1.0  # the script starts only below 0.5; a record at 1 or more was not made by it
-# New chapters (09, 10) committed before the machine was quiet enough to execute them for commit: they must show no outputs
+# New chapters committed before the machine was quiet enough to execute them for commit: they must show no outputs
 # at all (nothing measured in quick mode or on a busy machine), until data/execute_notebooks.py runs them and this
 # set loses their names (the test below fails for a name here whose notebook has a record, so it cannot go stale).
-AWAITING_QUIET_EXECUTION = {"09_modern_model", "10_speculative_decoding"}
+AWAITING_QUIET_EXECUTION: set[str] = set()
 
 
 def record_problems(record) -> list[str]:
