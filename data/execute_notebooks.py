@@ -8,7 +8,8 @@ when the machine is busy (1-minute load at or above ``--max-load``, 0.5 by defau
 (``GPT2_QUICK``), and writes into each notebook's ``metadata["gpt2_core"]`` how it was made:
 
 * ``quick`` (always false here), ``load_1min_start`` (the load when its execution started), ``executed`` (UTC),
-  ``commit`` (the checkout's HEAD, ``+dirty`` when the code had changes: notebooks written by this run don't count), ``duration_s``;
+  ``commit`` (the checkout's HEAD, ``+dirty`` when the code had changes: notebooks and stored results written by these
+  scripts don't count), ``duration_s``;
 * ``bytes_per_s`` and ``gemm_flops_per_s``: the machine's two limits measured just before (chapter 2's GEMV
   bandwidth on the LM head's shape and chapter 3's GEMM rate on GPT-2 124M's matrices at 256 rows, medians of 3
   readings). The load alone does not show a slow host: the same machine streamed 20.7 GB/s one hour and 42.9 GB/s
@@ -54,7 +55,8 @@ def wait_for_quiet(max_load: float, patience_s: float) -> float:
 def commit() -> str:
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!notebooks/*.ipynb"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!notebooks/*.ipynb",
+                            ":!notebooks/results/*.json"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()  # not the outputs written
     return head + ("+dirty" if dirty else "")
 
