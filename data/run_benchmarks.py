@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         if load >= args.max_load:
             raise SystemExit(f"bench {name}: the 1-minute load is {load} (>= {args.max_load}): the machine is not "
                              f"quiet; stop what else runs and try again")
-        limits = machine_limits()
+        limits = machine_limits()  # a few seconds at full load on both cores: let the load decay again
+        wait_for_quiet(args.max_load, args.patience)
         print(f"bench {name}: load {load}, {limits['bytes_per_s'] / 1e9:.1f} GB/s, "
               f"{limits['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ...", file=sys.stderr, flush=True)
         print(f"bench {name}: {json.dumps(run(name, load, limits))}", file=sys.stderr, flush=True)
