@@ -125,11 +125,11 @@ def test_without_memory_for_the_tiles_the_step_runs_without_them(monkeypatch):
         store.allocate(i, 4)
     chunks = [Chunk(i, np.array([i + 1, i + 2]), 0) for i in range(3)]
     monkeypatch.setattr(fast_model, "available_memory_bytes", lambda: 1000)  # less than any weight's tiles
-    starved = accelerate(MODEL)
+    starved = accelerate(MODEL, tiled=True)
     without = ragged_forward(starved, store, chunks)
     assert starved.params["h"][0]["mlp"]["c_fc"]["weight"]._kept == {"tiles": None}
     monkeypatch.setattr(fast_model, "available_memory_bytes", lambda: None)  # the system does not say: tiles
-    fed = accelerate(MODEL)
+    fed = accelerate(MODEL, tiled=True)
     with_tiles = ragged_forward(fed, store, chunks)
     assert fed.params["h"][0]["mlp"]["c_fc"]["weight"]._kept["tiles"] is not None
     np.testing.assert_allclose(with_tiles, without, rtol=1e-5, atol=1e-5)
@@ -286,7 +286,7 @@ def test_warm_up_serves_every_numpy_strategy_and_builds_the_tiles(monkeypatch):
     from gpt2_core.bench import batching as bb
     from test_batching import record_calls
 
-    fast = accelerate(tiny_model())
+    fast = accelerate(tiny_model(), tiled=True)
     calls = record_calls(monkeypatch, bb, ("run_continuous", "replay_sequential", "replay_static", "replay_hf"))
     bb.warm_up(fast)
     assert calls == ["run_continuous", "replay_sequential", "replay_static"]  # torch is not loaded here
@@ -313,3 +313,15 @@ def test_a_forked_child_starts_its_own_worker_thread():
     if child.is_alive():
         child.kill()
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("architecture, tiled", [("SkylakeX", True), ("Haswell", False), (None, False)])
+def test_accelerate_uses_tiles_only_where_blas_has_the_small_kernel(monkeypatch, architecture, tiled):
+    """The tiles need OpenBLAS's small-matrix kernel (its AVX-512 family); elsewhere they lose (0.47-0.87x the
+    untiled step in the stored batching run made on OpenBLAS's Haswell kernels), so ``accelerate`` leaves them off
+    unless asked."""
+    from gpt2_core.a1_cpu_kernels import tiles as tiles_module
+
+    monkeypatch.setattr(tiles_module, "blas_architecture", lambda: architecture)
+    assert accelerate(MODEL).params["h"][0]["mlp"]["c_fc"]["weight"].tiled is tiled
+    assert accelerate(MODEL, tiled=True).params["h"][0]["mlp"]["c_fc"]["weight"].tiled is True

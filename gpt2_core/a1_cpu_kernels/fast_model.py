@@ -18,7 +18,7 @@ import numpy as np
 from ..loading.memory import available_memory_bytes
 from ..loading.weights import GPT2Model
 from .small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, small_batch_matmul
-from .tiles import tile_bytes, tile_weight, tiled_matmul, uses_tiles
+from .tiles import small_kernel_here, tile_bytes, tile_weight, tiled_matmul, uses_tiles
 
 COLUMN_MAJOR = (("attn", "c_proj"), ("mlp", "c_proj"))  # (module, layer) kept column-major
 
@@ -92,13 +92,16 @@ def array_of(a) -> np.ndarray:
     return a.array if isinstance(a, (FastWeight, TiedEmbedding)) else a
 
 
-def accelerate(model: GPT2Model, tiled: bool = True, gemv_max_rows: int = GEMV_MAX_ROWS,
+def accelerate(model: GPT2Model, tiled: bool | None = None, gemv_max_rows: int = GEMV_MAX_ROWS,
                column_major: bool = True) -> GPT2Model:
     """``model`` with every matmul weight in a ``FastWeight`` (and the head in a ``TiedEmbedding``); biases, layer
-    norms and position embeddings are shared with ``model``. ``tiled``, ``gemv_max_rows``: ``FastWeight``'s;
+    norms and position embeddings are shared with ``model``. ``tiled``, ``gemv_max_rows``: ``FastWeight``'s
+    (``tiled=None``: tiles where this BLAS has the small-matrix kernel they need, ``small_kernel_here()``);
     ``column_major``: keep the two output projections column-major (else as the checkpoint has them). An
     accelerated model given here gets the new kernel settings and keeps its arrays (and their order) and tiles."""
     spare = sum(array_of(a).nbytes for a in model.state_dict().values())  # tiles only while this much stays free
+    if tiled is None:
+        tiled = small_kernel_here()
 
     def fast(weight, order="C", block=None):
         if isinstance(weight, FastWeight):

@@ -7,6 +7,11 @@ when in = 3072; more rows go through in groups). ``np.matmul`` over the stack of
 NumPy call. The small kernel runs on one thread, so from ``TWO_THREADS_FROM_ROWS`` rows a worker thread takes the
 first half of the tiles (NumPy lets go of Python's lock inside the product). The price is a second copy of every
 weight: 495 MB for GPT-2 small.
+
+That small kernel belongs to OpenBLAS's Skylake-X family of kernels (AVX-512). Where OpenBLAS runs another family,
+as its Haswell kernels on an AMD EPYC without AVX-512, every tile goes through the general product and the tiles
+lose: 0.47-0.87x the untiled step at 2 to 64 rows in ``notebooks/results/batching.json`` (made on such a host),
+against 1.3x on a Skylake-X host. ``small_kernel_here()`` tells which, and ``accelerate`` uses tiles only there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ TILE = 32  # columns per tile: a [768, 32] float32 tile is 96 KB
 SMALL_GEMM_MNK = 100 ** 3  # OpenBLAS runs a product of m x n x k <= 100**3 with its small-matrix kernel
 TILED_MAX_ROWS = 64
 TWO_THREADS_FROM_ROWS = 9  # from this many rows the tiles are shared between two threads
+
+
+SMALL_KERNEL_ARCHITECTURES = ("SkylakeX", "Cooperlake", "SapphireRapids")  # OpenBLAS's AVX-512 kernel families
+
+
+def blas_architecture() -> str | None:
+    """The kernel family OpenBLAS chose for this CPU (threadpoolctl reads it), or ``None`` for another BLAS."""
+    from threadpoolctl import threadpool_info
+
+    return next((lib.get("architecture") for lib in threadpool_info()
+                 if lib.get("user_api") == "blas" and lib.get("internal_api") == "openblas"), None)
+
+
+def small_kernel_here() -> bool:
+    """Does this process's BLAS have the small-matrix kernel the tiles are made for?"""
+    return blas_architecture() in SMALL_KERNEL_ARCHITECTURES
 
 
 def uses_tiles(rows: int) -> bool:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..a1_cpu_kernels.malloc import freed_memory_kept
+from ..a1_cpu_kernels.tiles import small_kernel_here
 from ..errors import is_integer
 
 # nbgrader sets NBGRADER_EXECUTION ("autograde" or "validate") while it executes a notebook to grade it. Grades
@@ -81,6 +82,15 @@ def blas_info() -> list[dict]:
     return [{k: lib.get(k) for k in keep} for lib in threadpool_info() if lib.get("user_api") == "blas"]
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name as Linux reports it (the same host name can hide another CPU from one day to the next)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def machine_info() -> dict:
     """Versions, BLAS and its threads, cores and the load on them: the context every benchmark records."""
     info = {
@@ -88,9 +98,11 @@ def machine_info() -> dict:
         "numpy": np.__version__,
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "blas": blas_info(),
+        "tiles": small_kernel_here(),  # accelerate()'s default: tiles only where this BLAS has its small kernel
         "malloc_keeps_freed_memory": freed_memory_kept(),  # keep_freed_memory() was called (glibc)
         "env": {k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_CORETYPE",
                                            "OPENBLAS_L2_SIZE", "GPT2_QUICK") if k in os.environ},
