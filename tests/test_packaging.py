@@ -118,7 +118,7 @@ def module_file(name: str) -> Path | None:
 @functools.cache
 def direct_imports(path: Path) -> frozenset[str]:
     """Dotted names a module imports, anywhere in it (relative imports resolved; ``from a import b`` gives ``a`` and
-    ``a.b``, which may be a module)."""
+    ``a.b``, which may be a module; ``pytest.importorskip("a")`` gives ``a``)."""
     package = path.relative_to(ROOT).with_suffix("").parts[:-1]
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -128,6 +128,9 @@ def direct_imports(path: Path) -> frozenset[str]:
             parts = list(package[:len(package) - node.level + 1]) if node.level else []
             base = ".".join(parts + ([node.module] if node.module else []))
             names |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip" and node.args and \
+                isinstance(node.args[0], ast.Constant):  # pytest.importorskip("gguf")
+            names.add(node.args[0].value)
     return frozenset(names)
 
 
