@@ -1,7 +1,10 @@
 """pyproject.toml and environment.yml list the same dependencies; the README's commands are what CI runs."""
 
+import ast
+import functools
 import re
 import tomllib
+from pathlib import Path
 
 import yaml
 from helpers import ROOT
@@ -83,4 +86,77 @@ def test_ci_installs_the_floors_and_runs_the_unit_tests_and_the_cli_with_them():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install -q -c .ci/floors.txt -e '.[test]'" in ci
     floors_part = ci[ci.index("-c .ci/floors.txt"):]
-    assert "-m gpt2_core generate" in floors_part and "-m pytest" in floors_part and " tests/" in floors_part
+    assert "-m gpt2_core generate" in floors_part and "-m pytest" in floors_part and "floors_tests.txt" in floors_part
+
+
+# --- the floors step runs the tests that exercise a floor (.ci/floors_tests.txt) --------------------------------------
+
+NOTEBOOK_TOOLS = {"jupyter", "nbval", "nbgrader"}  # they run the notebooks and the round trip: step 1 only
+IMPORT_NAMES = {"pyyaml": "yaml"}  # distributions whose module has another name
+
+
+def floors_tests() -> dict[str, set[str]]:
+    """.ci/floors_tests.txt as {test file: the floored distributions its line names}."""
+    rows = {}
+    for line in (ROOT / ".ci" / "floors_tests.txt").read_text().splitlines():
+        path, *dists = line.split("#")[0].split() or [None]
+        if path:
+            assert path not in rows, f".ci/floors_tests.txt names {path} twice"
+            rows[path] = {normalise(d) for d in dists}
+    return rows
+
+
+def module_file(name: str) -> Path | None:
+    """The file of a gpt2_core module, or of a module beside the tests (helpers), by dotted name."""
+    base = ROOT if name.startswith("gpt2_core") else ROOT / "tests"
+    for candidate in (base / (name.replace(".", "/") + ".py"), base / name.replace(".", "/") / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.cache
+def direct_imports(path: Path) -> frozenset[str]:
+    """Dotted names a module imports, anywhere in it (relative imports resolved; ``from a import b`` gives ``a`` and
+    ``a.b``, which may be a module; ``pytest.importorskip("a")`` gives ``a``)."""
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = list(package[:len(package) - node.level + 1]) if node.level else []
+            base = ".".join(parts + ([node.module] if node.module else []))
+            names |= {base} | {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip" and node.args and \
+                isinstance(node.args[0], ast.Constant):  # pytest.importorskip("gguf")
+            names.add(node.args[0].value)
+    return frozenset(names)
+
+
+def imported_packages(path: Path) -> set[str]:
+    """Top-level packages a test module imports, itself or through the gpt2_core and helper modules it imports."""
+    found, todo, seen = set(), [path], set()
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        for name in direct_imports(file):
+            found.add(name.split(".")[0])
+            if (module := module_file(name)) is not None:
+                todo.append(module)
+    return found
+
+
+def test_floors_step_runs_a_test_of_every_floor():
+    rows = floors_tests()
+    declared = set(floors())
+    for path, dists in rows.items():
+        assert (ROOT / path).is_file() and Path(path).name.startswith("test_"), f"{path}: no such test file"
+        assert dists, f"{path}: name the floored distributions it exercises"
+        assert dists <= declared, f"{path}: {sorted(dists - declared)} have no floor in .ci/floors.txt"
+        missing = {d for d in dists if IMPORT_NAMES.get(d, d).replace("-", "_") not in imported_packages(ROOT / path)}
+        assert not missing, f"{path} does not import {sorted(missing)}, directly or through what it imports"
+    untested = declared - NOTEBOOK_TOOLS - {"pytest"} - set().union(*rows.values())
+    assert not untested, f"no test in .ci/floors_tests.txt exercises the floor of {sorted(untested)}"
