@@ -1,0 +1,111 @@
+"""What a slow client may hold: a connection for ``header_timeout_s`` while its request's headers arrive, a request
+for ``body_timeout_s`` while its body arrives. Past either, a 408 and the connection closed.
+
+A client that sends its request a byte at a time (slowloris) never reaches the engine: the engine sees a request
+only once its body is whole. But it holds a connection, a file descriptor and a task for as long as it likes, and
+enough of them exhaust the server. uvicorn closes an idle connection between two requests (its keep-alive timeout,
+5 s), but sets no limit before the first request's headers are in, nor on a body: nginx (``client_header_timeout``,
+``client_body_timeout``) and Apache (``RequestReadTimeout``) do.
+
+* ``GuardedH11Protocol``: uvicorn's h11 protocol, with a clock on the headers (they never reach the app). It runs
+  from the connection's start, and again after each response, until a request's headers are in. When it runs out,
+  a connection that sent part of a request gets a 408 (as JSON, OpenAI's error object) and is closed; one that sent
+  nothing is closed (a browser's pre-connection is no error to answer).
+* ``BodyTimeout``: an ASGI middleware, with a clock on the body from the moment the app has the headers: a body
+  still incomplete ``body_timeout_s`` later gets a 408 and the connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..errors import InvalidInputError
+from .protocol import BadRequest
+
+HEADER_TIMEOUT_S = 10.0  # a client sends its headers in one packet; 10 s is room for any real network
+BODY_TIMEOUT_S = 30.0  # the largest body allowed (1 MiB) at 35 KB/s
+
+
+def timeout_message(what: str, seconds: float, flag: str) -> str:
+    return f"the request's {what} did not arrive within {seconds:g} s ({flag}); the connection is closed"
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's ``H11Protocol`` with a time limit on each request's headers (see the module's docstring)."""
+
+    def __init__(self, *args, header_timeout_s: float = HEADER_TIMEOUT_S, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self.arm_header_timer()  # the next request's headers: on the same clock
+
+    def connection_lost(self, exc) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+        super().connection_lost(exc)
+
+    def arm_header_timer(self) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+        self.header_timer = self.loop.call_later(self.header_timeout_s, self.headers_timed_out, self.cycle)
+
+    def headers_timed_out(self, cycle) -> None:
+        """The clock armed while ``cycle`` was the last request ran out: if no request started since and that one
+        is answered (none in progress: the next one's headers are late), close; with a 408 if part of one came."""
+        waiting = self.cycle is cycle and (cycle is None or cycle.response_complete)
+        if not waiting or self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:  # bytes of a request whose headers are not complete
+            error = BadRequest(timeout_message("headers", self.header_timeout_s, "--header-timeout-s"), None, 408)
+            body = json.dumps(error.body()).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
+def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
+    """The protocol for ``uvicorn.Config(http=...)``."""
+    if not (isinstance(header_timeout_s, (int, float)) and header_timeout_s > 0):
+        raise InvalidInputError(f"header_timeout_s must be a positive number of seconds, got {header_timeout_s!r}")
+    return functools.partial(GuardedH11Protocol, header_timeout_s=header_timeout_s)
+
+
+class BodyTimeout:
+    """A 408 (and the connection closed) for a request whose body is not whole ``body_timeout_s`` after its
+    headers (see the module's docstring). After the body, ``receive`` is the server's own (disconnects)."""
+
+    def __init__(self, app, body_timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.timeout_s = app, float(body_timeout_s)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline, complete = time.monotonic() + self.timeout_s, False
+
+        async def receive_in_time():
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise HTTPException(408, timeout_message("body", self.timeout_s, "--body-timeout-s"),
+                                    headers={"Connection": "close"}) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_in_time, send)
