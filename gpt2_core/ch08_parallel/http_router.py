@@ -1,8 +1,12 @@
 """A router in front of replicas of ``python -m gpt2_core serve``: ``python -m gpt2_core route``.
 
 Each replica is a whole server with its own engine and its own prefix cache (chapter 5). The router proxies
-``/v1/completions`` (streamed or whole, statuses and error bodies passed through) to one of them, chosen by a policy
-of ``gpt2_core.ch08_parallel.routing``: ``round_robin`` or the cache-aware ``prefix_affinity``.
+``/v1/completions`` and ``/v1/chat/completions`` (streamed or whole, statuses and error bodies passed through) to
+one of them, chosen by a policy of ``gpt2_core.ch08_parallel.routing``: ``round_robin`` or the cache-aware
+``prefix_affinity``, which hashes a completion's prompt, or a chat's messages as text (a conversation's next turn
+starts with the text of the turns before). ``/tokenize`` and ``/detokenize`` go the same way, without a prompt to
+hash; ``/v1/models``, ``/v1/models/{id}`` and ``/version`` are asked of the first replica alive. What a request
+goes through is chapter 7's: request ids, a clock on its body, OpenAI-shaped errors (``middleware``).
 
 A replica that refuses connections, drops a request or fails its health probe (every second) is taken out of
 rotation: its requests in flight get a 502 (or, streaming, an error event that ends the stream) naming it, never a
@@ -31,14 +35,17 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import InvalidInputError
+from ..errors import BAD_JSON, InvalidInputError
 from .routing import block_hashes, make_policy
 from ..ch07_serving.metrics import RouterMetrics
+from ..ch07_serving.middleware import EXCEPTION_HANDLERS, RequestContext
 from ..ch07_serving.protocol import BadRequest
+from ..ch07_serving.slow_clients import BodyTimeout
 
 log = logging.getLogger("gpt2_core.router")
 
@@ -52,6 +59,24 @@ def replica_url(url: str) -> str:
         raise InvalidInputError(f"--replica must be a server's URL such as http://127.0.0.1:8001 (or .../v1), "
                                 f"got {url!r}")
     return base
+
+
+def routing_prompt(path: str, body: bytes):
+    """What the policy hashes for a POST to ``path``: a completion's ``prompt``; a chat's ``messages`` as one text
+    (each message's JSON in turn: the next turn of a conversation starts with the text of the one before); None
+    otherwise, or for a body the replica will refuse."""
+    if path not in ("/v1/completions", "/v1/chat/completions"):
+        return None
+    try:
+        fields = json.loads(body)
+        if path == "/v1/completions":
+            return fields.get("prompt")
+        messages = fields.get("messages")
+        if not isinstance(messages, list):
+            return None
+        return "".join(json.dumps(m, ensure_ascii=False, sort_keys=True) for m in messages)
+    except (*BAD_JSON, AttributeError, TypeError):  # not JSON (or nested too deep), not an object
+        return None
 
 
 class ReplicaDown(Exception):
@@ -194,11 +219,16 @@ class Router:
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def models(self, request: Request) -> Response:
+    async def relay_get(self, request: Request) -> Response:
+        """A GET (``/v1/models``, ``/v1/models/{id}``, ``/version``) answered by the first replica alive."""
+        path = request.scope.get("raw_path") or request.url.path.encode()
+        query = request.scope.get("query_string", b"")
+        target = (path + (b"?" + query if query else b"")).decode("latin-1")
         for r, rep in enumerate(self.replicas):
             if rep.alive:
                 try:
-                    upstream = await self.http.get(rep.url + "/v1/models")
+                    upstream = await self.http.request(request.method, rep.url + target,
+                                                       headers=self.forwarded(request))
                 except httpx.TransportError as e:
                     self.take_out(r, f"{type(e).__name__}: {e}")
                     continue
@@ -206,21 +236,28 @@ class Router:
                                 media_type=upstream.headers.get("content-type"))
         return self.unavailable()
 
-    async def completions(self, request: Request) -> Response:
-        body = await request.body()
-        try:
-            prompt = json.loads(body).get("prompt")
-        except (ValueError, AttributeError):  # not JSON, or not an object: the replica will say what is wrong
-            prompt = None
-        hashes, tried = block_hashes(prompt), set()
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
+    @staticmethod
+    def forwarded(request: Request) -> dict:
+        """The client's headers a replica needs, as sent: the body's type (JSON if none), the API key; and the request
+        id (the router's)."""
+        headers = {"content-type": b"application/json"}
+        headers.update((k.decode(), v) for k, v in request.scope["headers"] if k in (b"content-type", b"authorization"))
+        rid = request.scope.get("gpt2_core.request_id") or request.headers.get("x-request-id")
+        if rid:
+            headers["x-request-id"] = rid
+        return headers
+
+    async def forward(self, request: Request) -> Response:
+        """A POST (completions, chat, tokenize, detokenize) sent to the replica the policy chooses for its prompt."""
+        body, path = await request.body(), request.url.path
+        hashes, tried = block_hashes(routing_prompt(path, body)), set()
+        headers = self.forwarded(request)
         while True:
             r = self.route(hashes, tried)
             if r is None:
                 return self.unavailable()
             tried.add(r)
-            forward = self.http.build_request("POST", self.replicas[r].url + "/v1/completions", content=body,
-                                              headers=headers)
+            forward = self.http.build_request("POST", self.replicas[r].url + path, content=body, headers=headers)
             try:
                 upstream = await self.until_down(r, self.http.send(forward, stream=True), request)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing reached it: take it out, try another
@@ -308,9 +345,12 @@ def make_router_app(urls: list[str], policy: str = "prefix_affinity", **router_a
             prober.cancel()
             await router.http.aclose()
 
-    app = Starlette(routes=[
-        Route("/health", router.health), Route("/v1/models", router.models), Route("/metrics", router.metrics_text),
-        Route("/v1/completions", router.completions, methods=["POST"])], lifespan=lifespan)
+    posts = [Route(path, router.forward, methods=["POST"])
+             for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")]
+    gets = [Route(path, router.relay_get) for path in ("/v1/models", "/v1/models/{model_id:path}", "/version")]
+    app = Starlette(routes=[Route("/health", router.health), Route("/metrics", router.metrics_text), *posts, *gets],
+                    lifespan=lifespan, middleware=[Middleware(RequestContext), Middleware(BodyTimeout)],
+                    exception_handlers=EXCEPTION_HANDLERS)
     app.state.router = router
     return app
 
