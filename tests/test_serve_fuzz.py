@@ -381,7 +381,14 @@ def socket_case(rng: random.Random) -> tuple[str, dict]:
 
 
 def run_socket_case(port: int, kind: str, case: dict) -> list[str]:
-    """What is wrong with the server's answers to one case, if anything."""
+    """What is wrong with the server's answers to one case, if anything (a hang: the socket's timeout)."""
+    try:
+        return socket_case_problems(port, kind, case)
+    except Exception as e:
+        return [f"{type(e).__name__}: {e}"]
+
+
+def socket_case_problems(port: int, kind: str, case: dict) -> list[str]:
     if kind == "cut_stream":
         drop_stream_after_first_event(port, case["body"])
         return []
