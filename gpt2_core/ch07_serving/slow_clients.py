@@ -8,9 +8,10 @@ enough of them exhaust the server. uvicorn closes an idle connection between two
 ``client_body_timeout``) and Apache (``RequestReadTimeout``) do.
 
 * ``GuardedH11Protocol``: uvicorn's h11 protocol, with a clock on the headers (they never reach the app). It runs
-  from the connection's start, and again after each response, until a request's headers are in. When it runs out,
-  a connection that sent part of a request gets a 408 (as JSON, OpenAI's error object) and is closed; one that sent
-  nothing is closed (a browser's pre-connection is no error to answer).
+  from the connection's start until the first request's headers are in; for a later request on the same
+  connection, from its first byte (before that, uvicorn's keep-alive timeout closes the idle connection). When it
+  runs out, a connection that sent part of a request gets a 408 (as JSON, OpenAI's error object) and is closed; one
+  that sent nothing is closed (a browser's pre-connection is no error to answer).
 * ``BodyTimeout``: an ASGI middleware, with a clock on the body from the moment the app has the headers: a body
   still incomplete ``body_timeout_s`` later gets a 408 and the connection closed.
 """
@@ -22,6 +23,7 @@ import functools
 import json
 import time
 
+import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -37,44 +39,55 @@ def timeout_message(what: str, seconds: float, flag: str) -> str:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's ``H11Protocol`` with a time limit on each request's headers (see the module's docstring)."""
+    """uvicorn's ``H11Protocol`` with a time limit on each request's headers (see the module's docstring).
+
+    It leans on what is public: asyncio's ``Protocol`` methods, which it extends, and the h11 connection
+    uvicorn parses with (``self.conn``), whose ``their_state`` is ``IDLE`` exactly while a request's headers are
+    incomplete and whose ``trailing_data`` holds the bytes received and not parsed yet."""
 
     def __init__(self, *args, header_timeout_s: float = HEADER_TIMEOUT_S, **kwargs):
         super().__init__(*args, **kwargs)
         self.header_timeout_s = header_timeout_s
         self.header_timer: asyncio.TimerHandle | None = None
+        self.guarded_transport = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.arm_header_timer()
+        self.guarded_transport = transport
+        self.arm_header_timer()  # the first request's headers: on the clock from the connection's start
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self.arm_header_timer()  # the next request's headers: on the same clock
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # a request's headers are in (or the connection is ending)
+            self.cancel_header_timer()
+        elif self.header_timer is None:  # the first bytes of a later request: its headers on the clock from now
+            self.arm_header_timer()
 
     def connection_lost(self, exc) -> None:
-        if self.header_timer is not None:
-            self.header_timer.cancel()
+        self.cancel_header_timer()
         super().connection_lost(exc)
 
     def arm_header_timer(self) -> None:
+        self.cancel_header_timer()
+        self.header_timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self.headers_timed_out)
+
+    def cancel_header_timer(self) -> None:
         if self.header_timer is not None:
             self.header_timer.cancel()
-        self.header_timer = self.loop.call_later(self.header_timeout_s, self.headers_timed_out, self.cycle)
+            self.header_timer = None
 
-    def headers_timed_out(self, cycle) -> None:
-        """The clock armed while ``cycle`` was the last request ran out: if no request started since and that one
-        is answered (none in progress: the next one's headers are late), close; with a 408 if part of one came."""
-        waiting = self.cycle is cycle and (cycle is None or cycle.response_complete)
-        if not waiting or self.transport.is_closing():
+    def headers_timed_out(self) -> None:
+        """The clock ran out: if the headers are still incomplete, close; with a 408 if part of a request came."""
+        self.header_timer = None
+        transport = self.guarded_transport
+        if self.conn.their_state is not h11.IDLE or transport.is_closing():
             return
         if self.conn.trailing_data[0]:  # bytes of a request whose headers are not complete
             error = BadRequest(timeout_message("headers", self.header_timeout_s, "--header-timeout-s"), None, 408)
             body = json.dumps(error.body()).encode()
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        self.transport.close()
+            transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        transport.close()
 
 
 def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
