@@ -290,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "loaded one...")
     rt.add_argument("--balance-rel", type=float, default=routing.BALANCE_REL,
                     help="...and more than this many times as many is overloaded: the least loaded gets the request")
+    rt.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                    help="a request body larger than this gets 413 from the router (default: 1 MiB, as a server)")
     rt.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     rt.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     rt.set_defaults(func=_route)

@@ -8,6 +8,7 @@ replica killed mid-request fails that request with an error naming it, not a han
 none alive requests get a 503; a replica that comes back is taken back.
 """
 
+import json
 import re
 import signal
 import socket
@@ -304,6 +305,28 @@ def test_tokenize_detokenize_version_and_model_cards_through_the_router(affinity
         client.models.retrieve("gpt-5")
     r = httpx.get(affinity.url + "/nope", headers={"x-request-id": "r-1"})  # the router's own: OpenAI's shape
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and r.headers["x-request-id"] == "r-1"
+
+
+def test_the_router_refuses_what_a_server_refuses_before_holding_it(replicas):
+    """Chapter 7's checks run in the router too, before it reads a body into memory or picks a replica: a body
+    over ``route --max-body-bytes`` gets 413 (announced or not), a body that is not JSON 415; neither reaches a
+    replica (no ``x-gpt2-replica``), and a body within the limit is served."""
+    with RouterProcess(*(a for s in replicas for a in ("--replica", s.url)), "--max-body-bytes", "5000") as router:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 6000}).encode()
+        json_type = {"content-type": "application/json"}
+        r = httpx.post(router.base_url + "/completions", content=big, headers=json_type)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert "--max-body-bytes" in r.json()["error"]["message"] and "x-gpt2-replica" not in r.headers
+        chunks = (big[i:i + 1000] for i in range(0, len(big), 1000))  # no Content-Length: cut off once over
+        r = httpx.post(router.base_url + "/completions", content=chunks, headers=json_type)
+        assert r.status_code == 413 and "x-gpt2-replica" not in r.headers
+        r = httpx.post(router.base_url + "/completions", content=b'{"prompt": "Emma"}',
+                       headers={"content-type": "text/plain"})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert "x-gpt2-replica" not in r.headers
+        r = httpx.post(router.base_url + "/completions", json={"model": MODEL, "prompt": "Emma", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and "x-gpt2-replica" in r.headers, r.text
 
 
 def test_bad_requests_get_the_replicas_answer(affinity):

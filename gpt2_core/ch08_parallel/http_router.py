@@ -6,7 +6,9 @@ one of them, chosen by a policy of ``gpt2_core.ch08_parallel.routing``: ``round_
 ``prefix_affinity``, which hashes a completion's prompt, or a chat's messages as text (a conversation's next turn
 starts with the text of the turns before). ``/tokenize`` and ``/detokenize`` go the same way, without a prompt to
 hash; ``/v1/models``, ``/v1/models/{id}`` and ``/version`` are asked of the first replica alive. What a request
-goes through is chapter 7's: request ids, a clock on its body, OpenAI-shaped errors (``middleware``).
+goes through is chapter 7's (``middleware_stack``): request ids, JSON bodies only, a body limit (the router
+holds a body whole before it forwards it: ``max_body_bytes``, 1 MiB as a server's), a clock on the body,
+OpenAI-shaped errors.
 
 A replica that refuses connections, drops a request or fails its health probe (every second) is taken out of
 rotation: its requests in flight get a 502 (or, streaming, an error event that ends the stream) naming it, never a
@@ -35,7 +37,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import httpx
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -43,9 +44,8 @@ from starlette.routing import Route
 from ..errors import BAD_JSON, InvalidInputError
 from .routing import block_hashes, make_policy
 from ..ch07_serving.metrics import RouterMetrics
-from ..ch07_serving.middleware import EXCEPTION_HANDLERS, RequestContext
+from ..ch07_serving.middleware import EXCEPTION_HANDLERS, MAX_BODY_BYTES, middleware_stack
 from ..ch07_serving.protocol import BadRequest
-from ..ch07_serving.slow_clients import BodyTimeout
 
 log = logging.getLogger("gpt2_core.router")
 
@@ -327,9 +327,12 @@ async def _close(upstream: httpx.Response) -> None:
         await upstream.aclose()
 
 
-def make_router_app(urls: list[str], policy: str = "prefix_affinity", **router_args) -> Starlette:
+def make_router_app(urls: list[str], policy: str = "prefix_affinity", max_body_bytes: int = MAX_BODY_BYTES,
+                    **router_args) -> Starlette:
     """The ASGI app routing to the servers at ``urls``; ``app.state.router`` is the ``Router``. The health probe
-    runs with the app (its lifespan)."""
+    runs with the app (its lifespan). A body over ``max_body_bytes`` gets a 413 here, before the router holds it."""
+    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+        raise InvalidInputError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     router = Router(urls, policy, **router_args)
 
     @contextlib.asynccontextmanager
@@ -349,7 +352,7 @@ def make_router_app(urls: list[str], policy: str = "prefix_affinity", **router_a
              for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")]
     gets = [Route(path, router.relay_get) for path in ("/v1/models", "/v1/models/{model_id:path}", "/version")]
     app = Starlette(routes=[Route("/health", router.health), Route("/metrics", router.metrics_text), *posts, *gets],
-                    lifespan=lifespan, middleware=[Middleware(RequestContext), Middleware(BodyTimeout)],
+                    lifespan=lifespan, middleware=middleware_stack(max_body_bytes=max_body_bytes),
                     exception_handlers=EXCEPTION_HANDLERS)
     app.state.router = router
     return app
@@ -373,7 +376,8 @@ def route_main(args) -> int:
         started = start_servers(args.replicas, *serve_args, threads=1) if args.replicas else []
         urls = [*args.replica, *(s.url for s in started)]
         policy_args = {"balance_abs": args.balance_abs, "balance_rel": args.balance_rel}
-        app = make_router_app(urls, args.policy, **(policy_args if args.policy == "prefix_affinity" else {}))
+        app = make_router_app(urls, args.policy, args.max_body_bytes,
+                              **(policy_args if args.policy == "prefix_affinity" else {}))
         sock, host, port = listen(args.host, args.port)
         print(f"routing to {len(urls)} replicas ({args.policy}) on http://{host}:{port}/v1 "
               f"(metrics: http://{host}:{port}/metrics)", flush=True)
