@@ -37,7 +37,8 @@ import pytest
 
 from asgi_driver import call, sse_events
 from helpers import tiny_model, wait_until
-from http_sockets import connect, drop_stream_after_first_event, exchange, request_bytes, serving, trickle
+from http_sockets import (connect, drop_stream_after_first_event, exchange, read_reply, request_bytes, serving,
+                          trickle)
 from gpt2_core import GPT2Config, kv_cache, load_model
 from gpt2_core.ch07_serving.app import make_app
 
@@ -405,9 +406,10 @@ def socket_case_problems(port: int, kind: str, case: dict) -> list[str]:
 
 
 def slow_clients(port: int, canary: bytes, want: str, done: threading.Event, outcomes: list) -> list:
-    """Four slow clients, each over and over until ``done``: a body sent a byte at a time within the body clock
+    """Five slow clients, each over and over until ``done``: a body sent a byte at a time within the body clock
     (served: the canary's text), one that runs past it (408), headers a byte at a time past the header clock
-    (408), a connection that never sends anything (closed, no answer). Each appends (kind, outcome)."""
+    (408), a connection that never sends anything (closed, no answer), the body of a request answered unread (a
+    404) trickling in after the answer (closed by the header clock). Each appends (kind, outcome)."""
     head, body = canary[:canary.index(b"\r\n\r\n") + 4], canary[canary.index(b"\r\n\r\n") + 4:]
 
     def loop(kind, run):
@@ -429,9 +431,28 @@ def slow_clients(port: int, canary: bytes, want: str, done: threading.Event, out
         with connect(port) as sock:
             return sock.recv(1) == b"" or "data from a connection that sent nothing"
 
+    def unread_body():  # a 404 answered at once, the body it announced trickled in after it: closed by the clock
+        with connect(port) as sock:
+            sock.sendall(request_bytes("POST", "/nope", b"", {"Content-Length": "100000"}))
+            reply, deadline = read_reply(sock.makefile("rb")), time.monotonic() + 10 * HEADER_S
+            sock.settimeout(HEADER_S / 8)  # a byte every 1/8 of the clock
+            while time.monotonic() < deadline:
+                try:
+                    sock.sendall(b" ")
+                    if sock.recv(1) == b"":  # closed by the server
+                        break
+                except TimeoutError:  # still open: another byte
+                    continue
+                except ConnectionError:
+                    break
+            else:
+                return "the connection is still open after 10 header clocks of an unread body trickling in"
+            return reply.status == 404 or (reply.status, reply.body[:200])
+
     runs = {"slow_body_in_time": in_time,
             "slow_body_too_slow": lambda: timed_out(trickle(port, head, body, 2 * BODY_S / len(body))),
-            "slow_headers": lambda: timed_out(trickle(port, b"", head, 2 * HEADER_S / len(head))), "idle": idle}
+            "slow_headers": lambda: timed_out(trickle(port, b"", head, 2 * HEADER_S / len(head))), "idle": idle,
+            "unread_body": unread_body}
     threads = [threading.Thread(target=loop, args=item, daemon=True) for item in runs.items()]
     for t in threads:
         t.start()
@@ -488,7 +509,8 @@ def test_raw_http_abuse_and_slow_clients_get_4xx_or_a_close_and_leave_the_server
     assert not failures, "\n".join(failures[:20])
     bad_logs = [r for r in errors.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not bad_logs, [r.getMessage()[:300] for r in bad_logs[:5]]
-    assert {kind for kind, _ in slow} == {"slow_body_in_time", "slow_body_too_slow", "slow_headers", "idle"}
+    assert {kind for kind, _ in slow} == {"slow_body_in_time", "slow_body_too_slow", "slow_headers", "idle",
+                                          "unread_body"}
     assert health and all(status == 200 for _, status in health)
     assert max(seconds for seconds, _ in health) < HEALTH_S
     assert settled, (list(server.loop.active), manager.num_used_blocks())  # every dropped stream freed its blocks

@@ -11,7 +11,9 @@ enough of them exhaust the server. uvicorn closes an idle connection between two
   from the connection's start until the first request's headers are in; for a later request on the same
   connection, from its first byte (before that, uvicorn's keep-alive timeout closes the idle connection). When it
   runs out, a connection that sent part of a request gets a 408 (as JSON, OpenAI's error object) and is closed; one
-  that sent nothing is closed (a browser's pre-connection is no error to answer).
+  that sent nothing is closed (a browser's pre-connection is no error to answer). The same clock runs on the rest
+  of a body whose request is answered already (a 404, 415 or 429, sent without reading it): nobody reads it, and
+  uvicorn would keep the connection open as long as it trickles in.
 * ``BodyTimeout``: an ASGI middleware, with a clock on the body from the moment the app has the headers: a body
   still incomplete ``body_timeout_s`` later gets a 408 and the connection closed.
 """
@@ -39,11 +41,14 @@ def timeout_message(what: str, seconds: float, flag: str) -> str:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's ``H11Protocol`` with a time limit on each request's headers (see the module's docstring).
+    """uvicorn's ``H11Protocol`` with a clock on the client while the connection waits on it alone (see the
+    module's docstring): for a request's headers, or for the rest of a body whose request is answered already
+    (a 404, 415 or 429 answered unread: nobody reads it, and uvicorn would keep the connection for it).
 
-    It leans on what is public: asyncio's ``Protocol`` methods, which it extends, and the h11 connection
-    uvicorn parses with (``self.conn``), whose ``their_state`` is ``IDLE`` exactly while a request's headers are
-    incomplete and whose ``trailing_data`` holds the bytes received and not parsed yet."""
+    It leans on what is public: asyncio's ``Protocol`` methods, which it extends, and the state of the h11
+    connection uvicorn parses with (``self.conn``): ``their_state`` is ``IDLE`` exactly while a request's headers
+    are incomplete, ``SEND_BODY`` while its body comes; ``our_state`` is ``DONE`` once it is answered;
+    ``trailing_data`` holds the bytes received and not parsed yet."""
 
     def __init__(self, *args, header_timeout_s: float = HEADER_TIMEOUT_S, **kwargs):
         super().__init__(*args, **kwargs)
@@ -58,14 +63,18 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # a request's headers are in (or the connection is ending)
+        if not self.waiting_on_client():  # a request in progress (the app has it), or the connection ending
             self.cancel_header_timer()
-        elif self.header_timer is None:  # the first bytes of a later request: its headers on the clock from now
+        elif self.header_timer is None:  # a later request's first bytes, or an answered one's body: from now
             self.arm_header_timer()
 
     def connection_lost(self, exc) -> None:
         self.cancel_header_timer()
         super().connection_lost(exc)
+
+    def waiting_on_client(self) -> bool:
+        their, ours = self.conn.their_state, self.conn.our_state
+        return their is h11.IDLE or (their is h11.SEND_BODY and ours is h11.DONE)
 
     def arm_header_timer(self) -> None:
         self.cancel_header_timer()
@@ -77,12 +86,13 @@ class GuardedH11Protocol(H11Protocol):
             self.header_timer = None
 
     def headers_timed_out(self) -> None:
-        """The clock ran out: if the headers are still incomplete, close; with a 408 if part of a request came."""
+        """The clock ran out: if the connection still waits on the client, close it; with a 408 if part of a
+        request's headers came."""
         self.header_timer = None
         transport = self.guarded_transport
-        if self.conn.their_state is not h11.IDLE or transport.is_closing():
+        if not self.waiting_on_client() or transport.is_closing():
             return
-        if self.conn.trailing_data[0]:  # bytes of a request whose headers are not complete
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # part of a request's headers
             error = BadRequest(timeout_message("headers", self.header_timeout_s, "--header-timeout-s"), None, 408)
             body = json.dumps(error.body()).encode()
             transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
