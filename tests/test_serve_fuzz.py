@@ -338,7 +338,11 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_whole(model, capsys):
 SOCKET_CASES = int(os.environ.get("GPT2_FUZZ_SOCKET_CASES", max(CASES // 10, 60)))
 SOCKET_CONCURRENCY = 8
 HEADER_S, BODY_S = 2.0, 3.0  # the test server's --header-timeout-s and --body-timeout-s
-HEALTH_S = 1.0  # the issue's bar: /health answers within a second throughout
+# The issue's bar, kept as it is: /health answers within a second throughout, every probe. It is robust on a loaded
+# 2-core box: with 500 socket cases, five slow clients and a load average near 7 (other jobs on 2 cores), the
+# slowest probe took 0.02 s (0.12 s with the floor versions); a stall as the issue found one (a 4 MB prompt on the
+# event loop) holds it 3-6 s.
+HEALTH_S = 1.0
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 MALFORMED = [  # each answered by uvicorn (a 400) or the app (a 4xx, or a 200 where it is well-formed after all)
     b"GARBAGE\r\n\r\n", b"GET /health\r\n\r\n", b"GET /he alth HTTP/1.1\r\nHost: x\r\n\r\n",
