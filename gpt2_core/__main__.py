@@ -143,14 +143,15 @@ def _bench(args) -> int:
 def _serve(args) -> int:
     from .ch07_serving.app import serve_main
 
-    build = None
-    if args.speculative is not None:  # chapter 10's engine: the CLI chooses it, chapter 7 never imports it
+    build, parts = None, ()
+    if args.speculative is not None:  # chapter 10's engine and counters: chosen here, chapter 7 imports neither
         import functools
 
         from .ch10_speculative.spec_engine import build_speculative_engine
+        from .ch10_speculative.spec_metrics import SpecDecodeMetrics
 
-        build = functools.partial(build_speculative_engine, spec=args.speculative)
-    return serve_main(args, prepare=None if args.plain else _accelerated, build=build)
+        build, parts = functools.partial(build_speculative_engine, spec=args.speculative), (SpecDecodeMetrics,)
+    return serve_main(args, prepare=None if args.plain else _accelerated, build=build, metric_parts=parts)
 
 
 def _accelerated(model):
@@ -262,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. http://localhost:3000, or '*' for any); default: none")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="a request body larger than this gets 413 (default: 1 MiB)")
+    s.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a connection whose request headers are not all in within this many seconds is closed (a "
+                        "408 if part of a request came): slow clients cannot hold connections (default: 10)")
+    s.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request whose body is not all in this many seconds after its headers gets 408 "
+                        "(default: 30)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="info: also one access-log line per request, with its X-Request-Id (default: warning)")
     s.set_defaults(func=_serve)
@@ -283,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "loaded one...")
     rt.add_argument("--balance-rel", type=float, default=routing.BALANCE_REL,
                     help="...and more than this many times as many is overloaded: the least loaded gets the request")
+    rt.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                    help="a request body larger than this gets 413 from the router (default: 1 MiB, as a server)")
     rt.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     rt.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     rt.set_defaults(func=_route)

@@ -92,3 +92,20 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def chat_model_folder(folder: Path) -> Path:
+    """``folder`` with the embedded model's files and a tokenizer_config.json that adds a ChatML template: the same
+    model (the same greedy text), which chat requests can be sent to."""
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(PACKAGE_DATA / "embedded" / name, folder)
+    config = json.loads((PACKAGE_DATA / "embedded" / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    return folder

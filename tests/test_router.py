@@ -1,12 +1,14 @@
 """``python -m gpt2_core route``: replicas of ``serve`` behind a router, tested as clients use it (real processes on
 loopback ports, the embedded model, the official ``openai`` client and raw HTTP), and its policies alone.
 
-Through the router a client gets what a server gives (greedy tokens, streamed or not, and the replica's own 400s);
-round robin alternates; prefix affinity keeps a conversation on one replica while a prompt shared by everyone still
-spreads over both; a replica killed mid-request fails that request with an error naming it, not a hang, and leaves
-the rotation; with none alive requests get a 503; a replica that comes back is taken back.
+Through the router a client gets what a server gives (greedy tokens, streamed or not, completions and chat, the
+replica's own 400s, /tokenize, /detokenize, /version and model cards); round robin alternates; prefix affinity
+keeps a conversation (text or chat) on one replica while a prompt shared by everyone still spreads over both; a
+replica killed mid-request fails that request with an error naming it, not a hang, and leaves the rotation; with
+none alive requests get a 503; a replica that comes back is taken back.
 """
 
+import json
 import re
 import signal
 import socket
@@ -24,7 +26,7 @@ from gpt2_core.errors import InvalidInputError
 from gpt2_core.ch08_parallel.routing import BALANCE_ABS, BALANCE_REL, PrefixAffinity, RoundRobin, block_hashes, make_policy
 from gpt2_core.ch07_serving.launch import RouterProcess, ServerProcess, start_servers
 from gpt2_core.ch08_parallel.http_router import replica_url
-from helpers import ROOT, wait_until
+from helpers import ROOT, chat_model_folder, wait_until
 
 MODEL = "gpt2-numpy-embedded"
 SYSTEM = ("You are a helpful assistant who answers in the style of Jane Austen, briefly, politely, and always "
@@ -155,8 +157,11 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def replicas():
-    servers = start_servers(2, threads=1)  # the defaults a user gets, 1 BLAS thread each
+def replicas(tmp_path_factory):
+    """Two servers with the defaults a user gets (1 BLAS thread each) on the embedded model, given a chat template
+    (the same weights: the same greedy text) so that chat requests can be routed too."""
+    folder = chat_model_folder(tmp_path_factory.mktemp("chat_model"))
+    servers = start_servers(2, "--model", str(folder), "--served-model-name", MODEL, threads=1)
     yield servers
     for s in servers:
         s.stop()
@@ -241,6 +246,87 @@ def test_prefix_affinity_keeps_each_conversation_on_one_replica(replicas):
     assert {p for places in where.values() for p in places} == {s.url for s in replicas}
     assert health["status"] == "ok" and health["policy"] == "prefix_affinity"
     assert [r["alive"] for r in health["replicas"]] == [True, True]
+
+
+CHAT = [{"role": "system", "content": "You answer as Jane Austen would."},
+        {"role": "user", "content": "Who is Emma Woodhouse?"}]
+
+
+def test_chat_through_the_router_is_a_servers_chat_whole_and_streamed(affinity, replicas):
+    client = openai.OpenAI(base_url=affinity.base_url, api_key="unused", max_retries=0, timeout=60)
+    direct = openai.OpenAI(base_url=replicas[0].base_url, api_key="unused", max_retries=0, timeout=60)
+    want = direct.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.content == want.choices[0].message.content
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (want.usage.prompt_tokens,
+                                                                          want.usage.completion_tokens)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="messages"):  # the replica's 400, passed through
+        client.chat.completions.create(model=MODEL, messages="Emma", max_tokens=4)
+
+
+def test_prefix_affinity_keeps_each_chat_on_one_replica(replicas):
+    """Four chats (a shared system message, then each its own questions), three turns each, through a fresh router:
+    the router hashes the messages as text, so every later turn follows its first, and the chats spread over both
+    replicas."""
+    with RouterProcess(*(a for s in replicas for a in ("--replica", s.url))) as router:
+        where = {}
+        for c in range(4):
+            messages = [{"role": "system", "content": SYSTEM}]
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"User {c} asks question {turn} about the ball at "
+                                                            f"Netherfield, in some detail."})
+                r = httpx.post(router.base_url + "/chat/completions", timeout=60, json={
+                    "model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                where.setdefault(c, set()).add(r.headers["x-gpt2-replica"])
+                messages.append(r.json()["choices"][0]["message"])
+    assert all(len(places) == 1 for places in where.values()), where
+    assert {p for places in where.values() for p in places} == {s.url for s in replicas}
+
+
+def test_tokenize_detokenize_version_and_model_cards_through_the_router(affinity, replicas):
+    """What the router passes on is the first replica's answer (the one it asks), statuses and errors included."""
+    for path, body in (("/tokenize", {"prompt": "Emma Woodhouse, handsome"}), ("/tokenize", {"messages": CHAT}),
+                       ("/detokenize", {"tokens": [30, 31, 32]}), ("/tokenize", {"prompt": 5}),
+                       ("/detokenize", {"tokens": [1, 10**6]}), ("/tokenize", {"model": "gpt-5", "prompt": "a"})):
+        via, direct = httpx.post(affinity.url + path, json=body), httpx.post(replicas[0].url + path, json=body)
+        assert (via.status_code, via.json()) == (direct.status_code, direct.json()), (path, body)
+    for path in ("/version", f"/v1/models/{MODEL}", "/v1/models/gpt-5", "/v1/models", "/v1/models/"):
+        via, direct = httpx.get(affinity.url + path), httpx.get(replicas[0].url + path)
+        assert (via.status_code, via.json()) == (direct.status_code, direct.json()), path
+    client = openai.OpenAI(base_url=affinity.base_url, api_key="unused", max_retries=0)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
+    r = httpx.get(affinity.url + "/nope", headers={"x-request-id": "r-1"})  # the router's own: OpenAI's shape
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and r.headers["x-request-id"] == "r-1"
+
+
+def test_the_router_refuses_what_a_server_refuses_before_holding_it(replicas):
+    """Chapter 7's checks run in the router too, before it reads a body into memory or picks a replica: a body
+    over ``route --max-body-bytes`` gets 413 (announced or not), a body that is not JSON 415; neither reaches a
+    replica (no ``x-gpt2-replica``), and a body within the limit is served."""
+    with RouterProcess(*(a for s in replicas for a in ("--replica", s.url)), "--max-body-bytes", "5000") as router:
+        big = json.dumps({"model": MODEL, "prompt": "x" * 6000}).encode()
+        json_type = {"content-type": "application/json"}
+        r = httpx.post(router.base_url + "/completions", content=big, headers=json_type)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+        assert "--max-body-bytes" in r.json()["error"]["message"] and "x-gpt2-replica" not in r.headers
+        chunks = (big[i:i + 1000] for i in range(0, len(big), 1000))  # no Content-Length: cut off once over
+        r = httpx.post(router.base_url + "/completions", content=chunks, headers=json_type)
+        assert r.status_code == 413 and "x-gpt2-replica" not in r.headers
+        r = httpx.post(router.base_url + "/completions", content=b'{"prompt": "Emma"}',
+                       headers={"content-type": "text/plain"})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert "x-gpt2-replica" not in r.headers
+        r = httpx.post(router.base_url + "/completions", json={"model": MODEL, "prompt": "Emma", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and "x-gpt2-replica" in r.headers, r.text
 
 
 def test_bad_requests_get_the_replicas_answer(affinity):

@@ -375,13 +375,14 @@ def test_bench_serve_loads_a_server_given_by_base_url(small_server):
 
 
 def test_the_hardening_flags_work_from_the_command_line():
-    """``serve --api-key --allowed-origins --max-body-bytes --log-level info`` as typed: a wrong key is refused,
-    /health stays open, CORS answers the allowed origin, a big body gets 413, a client that hangs up mid-body
-    leaves no traceback, and every request has its access-log line with its request id."""
+    """``serve --api-key --allowed-origins --max-body-bytes --header-timeout-s --body-timeout-s --log-level info`` as
+    typed: a wrong key is refused, /health stays open, CORS answers the allowed origin, a big body gets 413, a body
+    or headers slower than their clock get 408, a client that hangs up mid-body leaves no traceback, and every
+    request has its access-log line with its request id."""
     import socket
 
     with ServerProcess("--api-key", "k1", "--allowed-origins", "http://ui.example", "--max-body-bytes", "5000",
-                       "--log-level", "info") as s:
+                       "--header-timeout-s", "1", "--body-timeout-s", "1", "--log-level", "info") as s:
         client = openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             client.completions.create(model=MODEL, prompt="Emma", max_tokens=2)
@@ -394,10 +395,17 @@ def test_the_hardening_flags_work_from_the_command_line():
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert r.headers["access-control-allow-origin"] == "http://ui.example"
         host, port = s.url.removeprefix("http://").rsplit(":", 1)
+        body_late = b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":"
+        for sent, clock in ((body_late, b"--body-timeout-s"), (b"Content-Type: app", b"--header-timeout-s")):
+            # ... then nothing more: a 408 naming the clock, and the connection closed
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n" + sent)
+                answer = sock.makefile("rb").read()  # up to the close
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and clock in answer, answer
         with socket.create_connection((host, int(port))) as sock:  # the review's D5: half a body, then gone
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\nContent-Type: "
                          b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
-        assert wait_until(lambda: sum("request_id=" in line for line in s.stderr) >= 5)
+        assert wait_until(lambda: sum("request_id=" in line for line in s.stderr) >= 6)
         assert s.stop() == 0
     log = "".join(s.stderr)
     assert "Traceback" not in log and "ERROR" not in log, log

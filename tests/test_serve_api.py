@@ -4,7 +4,6 @@ client) on a model folder that carries a chat template, ``/tokenize``, ``/detoke
 sizes and latencies."""
 
 import json
-import shutil
 
 import httpx
 import openai
@@ -12,12 +11,10 @@ import pytest
 
 from gpt2_core import kv_cache, load_model
 from gpt2_core.ch07_serving.launch import ServerProcess
-from helpers import PACKAGE_DATA
+from helpers import chat_model_folder
 
 pytest.importorskip("jinja2")
 MODEL = "chat-test"
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 CHAT = [{"role": "system", "content": "You answer as Jane Austen would."},
         {"role": "user", "content": "Who is Emma Woodhouse?"}]
 
@@ -25,12 +22,7 @@ CHAT = [{"role": "system", "content": "You answer as Jane Austen would."},
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory):
     """The embedded model's files, and a tokenizer_config.json that adds a ChatML template."""
-    folder = tmp_path_factory.mktemp("chat_model")
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
-        shutil.copy(PACKAGE_DATA / "embedded" / name, folder)
-    config = json.loads((PACKAGE_DATA / "embedded" / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
-    return folder
+    return chat_model_folder(tmp_path_factory.mktemp("chat_model"))
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,16 @@ strings, nested junk; unknown fields); raw bodies (truncated, not UTF-8, BOMs, 5
 200,000 deep, random bytes, whitespace); token-id prompts (out of range, floats, bools, 100,000 ids); wrong methods
 and paths; wrong content types; bad headers (lengths over the limit, not numbers, junk keys and request ids); big
 bodies (over the body limit, prompts over the context, long and many stop strings); clients that go away mid-body,
-while waiting, or after a few streamed events. Malformed HTTP itself (request lines, chunk framing) never reaches
-the app: uvicorn answers it.
+while waiting, or after a few streamed events.
 
-``GPT2_FUZZ_CASES`` sets the number of cases (default 10,000; 1,000 with GPT2_QUICK=1), ``GPT2_FUZZ_SEED`` the
-seed (default 2026): ``GPT2_FUZZ_CASES=10000 pytest tests/test_serve_fuzz.py -s`` prints the outcome by kind.
+What never reaches the app is fuzzed over real sockets (the second test), against uvicorn as ``serve`` configures it:
+malformed request lines, headers and chunk framing, Content-Length that lies, bodies cut off half way, pipelining,
+streams dropped after their first event; and all the while slow clients (a body a byte at a time, within the body
+clock and past it; headers a byte at a time; a connection that sends nothing) and a /health probe.
+
+``GPT2_FUZZ_CASES`` sets the number of cases (default 10,000; 1,000 with GPT2_QUICK=1), ``GPT2_FUZZ_SOCKET_CASES``
+the socket cases (default a tenth of that, at least 60), ``GPT2_FUZZ_SEED`` the seed (default 2026):
+``GPT2_FUZZ_CASES=10000 pytest tests/test_serve_fuzz.py -s`` prints the outcome by kind.
 """
 
 import asyncio
@@ -24,12 +29,16 @@ import json
 import logging
 import os
 import random
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from asgi_driver import call, sse_events
-from helpers import tiny_model
+from helpers import tiny_model, wait_until
+from http_sockets import (connect, drop_stream_after_first_event, exchange, read_reply, request_bytes, serving,
+                          trickle)
 from gpt2_core import GPT2Config, kv_cache, load_model
 from gpt2_core.ch07_serving.app import make_app
 
@@ -320,3 +329,203 @@ def test_fuzzed_requests_get_no_5xx_and_leave_the_server_whole(model, capsys):
     assert not server.loop.active and not server.engine.has_unfinished()
     assert manager.num_used_blocks() == 0 and manager.num_free_blocks == manager.num_blocks
     assert sum(count for (kind, status), count in outcomes.items() if status == 200) > CASES // 20  # some served
+
+
+# --- over real sockets: what never reaches the app -------------------------------------------------------------------
+# Malformed HTTP, bodies cut off or longer than announced, streams dropped after their first event, and slow clients
+# all the while, against uvicorn configured as ``serve`` configures it (in a thread of this process, so that the
+# engine's blocks can be counted after). Its clocks are short here, so that the slow clients run into them often.
+SOCKET_CASES = int(os.environ.get("GPT2_FUZZ_SOCKET_CASES", max(CASES // 10, 60)))
+SOCKET_CONCURRENCY = 8
+HEADER_S, BODY_S = 2.0, 3.0  # the test server's --header-timeout-s and --body-timeout-s
+# The issue's bar, kept as it is: /health answers within a second throughout, every probe. It is robust on a loaded
+# 2-core box: with 500 socket cases, five slow clients and a load average near 7 (other jobs on 2 cores), the
+# slowest probe took 0.02 s (0.12 s with the floor versions); a stall as the issue found one (a 4 MB prompt on the
+# event loop) holds it 3-6 s.
+HEALTH_S = 1.0
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+MALFORMED = [  # each answered by uvicorn (a 400) or the app (a 4xx, or a 200 where it is well-formed after all)
+    b"GARBAGE\r\n\r\n", b"GET /health\r\n\r\n", b"GET /he alth HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /health HTTP/1.1\r\n\r\n",  # no Host
+    b"GET /health HTTP/1.0\r\n\r\n",  # well-formed: 200, then closed
+    b"GET /health HTTP/1.1\nHost: x\n\n",  # bare line feeds
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Nul: a\x00b\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40),
+    HEAD + b"Content-Length: abc\r\n\r\n{}", HEAD + b"Content-Length: -5\r\n\r\n{}",
+    HEAD + b"Content-Length: 1, 2\r\n\r\n{}", HEAD + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    HEAD + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",  # a chunk size that is not hex
+    HEAD + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{}\r\n0\r\n\r\n",  # a chunk shorter than its size
+    HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(b'{"prompt": "Emma"}'),
+                                                                               b'{"prompt": "Emma"}'),
+    HEAD + b"Expect: 100-continue\r\nContent-Length: 18\r\n\r\n" + b'{"prompt": "Emma"}',
+    b"GET /" + b"a" * 8000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", b"BREW /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n"]
+SOCKET_KINDS = {"valid": 3, "pipelined": 1, "half_body": 2, "half_body_eof": 1, "cut_stream": 2, "malformed": 3,
+                "length_mismatch": 1}
+
+
+def socket_case(rng: random.Random) -> tuple[str, dict]:
+    """(kind, what to send), made in the main thread: the same seed gives the same cases."""
+    kind = rng.choices(list(SOCKET_KINDS), weights=list(SOCKET_KINDS.values()))[0]
+    body = json.dumps(valid_body(rng)).encode()
+    whole = request_bytes("POST", "/v1/completions", body)
+    if kind == "valid":
+        return kind, {"data": whole}
+    if kind == "pipelined":
+        other = request_bytes("POST", "/v1/completions", json.dumps(valid_body(rng)).encode())
+        return kind, {"data": whole + other, "replies": 2}
+    if kind in ("half_body", "half_body_eof"):  # the headers announce the whole body; half of it comes
+        return kind, {"data": whole[:len(whole) - len(body) // 2], "half_close": kind == "half_body_eof"}
+    if kind == "cut_stream":
+        return kind, {"body": {**json.loads(body), "n": 1, "max_tokens": rng.randint(30, 120)}}
+    if kind == "malformed":
+        return kind, {"data": rng.choice(MALFORMED)}
+    short = request_bytes("POST", "/v1/completions", body, {"Content-Length": str(len(body) - 7)})
+    return kind, {"data": short, "replies": 2}  # the body's last 7 bytes: the start of a request that never ends
+
+
+def run_socket_case(port: int, kind: str, case: dict) -> list[str]:
+    """What is wrong with the server's answers to one case, if anything (a hang: the socket's timeout)."""
+    try:
+        return socket_case_problems(port, kind, case)
+    except Exception as e:
+        return [f"{type(e).__name__}: {e}"]
+
+
+def socket_case_problems(port: int, kind: str, case: dict) -> list[str]:
+    if kind == "cut_stream":
+        drop_stream_after_first_event(port, case["body"])
+        return []
+    if kind == "half_body":
+        with connect(port) as sock:
+            sock.sendall(case["data"])  # and gone
+        return []
+    replies = exchange(port, case["data"], case.get("replies", 1), half_close=case.get("half_close", False))
+    if kind in ("valid", "pipelined"):
+        want = case.get("replies", 1)
+        out = [] if len(replies) == want else [f"{len(replies)} answers to {want} requests"]
+        return out + [p for reply in replies for p in problems(kind, {}, reply)]
+    return [f"status {r.status}: {r.body[:200]!r}" for r in replies if r.status is not None and r.status >= 500]
+
+
+def slow_clients(port: int, canary: bytes, want: str, done: threading.Event, outcomes: list) -> list:
+    """Five slow clients, each over and over until ``done``: a body sent a byte at a time within the body clock
+    (served: the canary's text), one that runs past it (408), headers a byte at a time past the header clock
+    (408), a connection that never sends anything (closed, no answer), the body of a request answered unread (a
+    404) trickling in after the answer (closed by the header clock). Each appends (kind, outcome)."""
+    head, body = canary[:canary.index(b"\r\n\r\n") + 4], canary[canary.index(b"\r\n\r\n") + 4:]
+
+    def loop(kind, run):
+        while not done.is_set():
+            try:
+                outcomes.append((kind, run()))
+            except Exception as e:  # a hang (the socket's timeout) or a reset
+                outcomes.append((kind, f"{type(e).__name__}: {e}"))
+
+    def in_time():
+        reply = trickle(port, head, body, BODY_S / 4 / len(body))
+        return reply.status == 200 and reply.json()["choices"][0]["text"] == want or (reply.status, reply.body[:200])
+
+    def timed_out(reply):
+        ok = reply.status == 408 and reply.json()["error"]["code"] == "request_timeout"
+        return ok and reply.headers.get("connection") == "close" or (reply.status, reply.body[:200])
+
+    def idle():
+        with connect(port) as sock:
+            return sock.recv(1) == b"" or "data from a connection that sent nothing"
+
+    def unread_body():  # a 404 answered at once, the body it announced trickled in after it: closed by the clock
+        with connect(port) as sock:
+            sock.sendall(request_bytes("POST", "/nope", b"", {"Content-Length": "100000"}))
+            reply, deadline = read_reply(sock.makefile("rb")), time.monotonic() + 10 * HEADER_S
+            sock.settimeout(HEADER_S / 8)  # a byte every 1/8 of the clock
+            while time.monotonic() < deadline:
+                try:
+                    sock.sendall(b" ")
+                    if sock.recv(1) == b"":  # closed by the server
+                        break
+                except TimeoutError:  # still open: another byte
+                    continue
+                except ConnectionError:
+                    break
+            else:
+                return "the connection is still open after 10 header clocks of an unread body trickling in"
+            return reply.status == 404 or (reply.status, reply.body[:200])
+
+    runs = {"slow_body_in_time": in_time,
+            "slow_body_too_slow": lambda: timed_out(trickle(port, head, body, 2 * BODY_S / len(body))),
+            "slow_headers": lambda: timed_out(trickle(port, b"", head, 2 * HEADER_S / len(head))), "idle": idle,
+            "unread_body": unread_body}
+    threads = [threading.Thread(target=loop, args=item, daemon=True) for item in runs.items()]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_raw_http_abuse_and_slow_clients_get_4xx_or_a_close_and_leave_the_server_whole(model, capsys):
+    """Raw-socket cases (``SOCKET_KINDS``) ``SOCKET_CONCURRENCY`` at a time while slow clients dribble and a probe
+    asks /health every 0.2 s: no 5xx, no traceback or error in the log, every valid request served, the slow ones
+    cut off by the clocks with a 408 (or closed, having sent nothing); afterwards no request in the engine and no
+    block held (every dropped stream aborted), the greedy canary unchanged, RSS within 256 MB, /health always fast."""
+    rng = random.Random(SEED)
+    cases = [socket_case(rng) for _ in range(SOCKET_CASES)]
+    app = make_app(model, MODEL, max_num_seqs=8, max_body_bytes=MAX_BODY, body_timeout_s=BODY_S)
+    server, manager = app.state.server, app.state.server.engine.store.manager
+    canary = request_bytes("POST", "/v1/completions", json.dumps(
+        {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}).encode())
+    want = model.tokenizer.decode(kv_cache.generate(model, model.tokenizer.encode(PROMPTS[0]), 12),
+                                  skip_special_tokens=True)
+    errors = Errors()
+    for name in ("gpt2_core", "uvicorn.error"):
+        logging.getLogger(name).addHandler(errors)
+    try:
+        with serving(app, header_timeout_s=HEADER_S) as port:
+            first = exchange(port, canary)[0].json()["choices"][0]["text"]
+            rss, done, health, slow = [rss_mb()], threading.Event(), [], []
+            prober = threading.Thread(target=probe_health_socket, args=(port, done, health), daemon=True)
+            prober.start()
+            slow_threads = slow_clients(port, canary, want, done, slow)
+            t = time.perf_counter()
+            with ThreadPoolExecutor(SOCKET_CONCURRENCY) as pool:
+                found = list(pool.map(lambda kc: run_socket_case(port, *kc), cases))
+            elapsed = time.perf_counter() - t
+            time.sleep(max(0.0, BODY_S - elapsed))  # every slow client is in its first round at least
+            done.set()
+            for thread in [prober, *slow_threads]:
+                thread.join(60)
+            settled = wait_until(lambda: not server.loop.active and not server.engine.has_unfinished()
+                                 and manager.num_used_blocks() == 0, 20)
+            last = exchange(port, canary)[0].json()["choices"][0]["text"]
+            gc.collect()
+            rss.append(rss_mb())
+    finally:
+        for name in ("gpt2_core", "uvicorn.error"):
+            logging.getLogger(name).removeHandler(errors)
+    failures = [f"[case {i}] {cases[i][0]}: {p}" for i, ps in enumerate(found) for p in ps]
+    failures += [f"slow client {kind}: {outcome}" for kind, outcome in slow if outcome is not True]
+    kinds = collections.Counter(kind for kind, _ in cases)
+    with capsys.disabled():
+        print(f"\nsocket fuzz: {SOCKET_CASES} cases (seed {SEED}) in {elapsed:.1f} s, {dict(kinds)}, "
+              f"{len(failures)} failures; slow clients: {dict(collections.Counter(k for k, _ in slow))}; /health "
+              f"answered {len(health)} probes, the slowest in {max(s for s, _ in health):.3f} s; RSS after "
+              f"warm-up {rss[0]:.0f} MB, at the end {rss[1]:.0f} MB")
+    assert not failures, "\n".join(failures[:20])
+    bad_logs = [r for r in errors.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not bad_logs, [r.getMessage()[:300] for r in bad_logs[:5]]
+    assert {kind for kind, _ in slow} == {"slow_body_in_time", "slow_body_too_slow", "slow_headers", "idle",
+                                          "unread_body"}
+    assert health and all(status == 200 for _, status in health)
+    assert max(seconds for seconds, _ in health) < HEALTH_S
+    assert settled, (list(server.loop.active), manager.num_used_blocks())  # every dropped stream freed its blocks
+    assert first == last == want  # greedy, before and after: the library's text both times
+    assert rss[1] - rss[0] < 256, rss
+
+
+def probe_health_socket(port: int, done: threading.Event, out: list) -> None:
+    """``/health`` on a new connection every 0.2 s until ``done``: (seconds to answer, status) for each."""
+    while not done.is_set():
+        t = time.perf_counter()
+        reply = exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")[0]
+        out.append((time.perf_counter() - t, reply.status))
+        time.sleep(0.2)

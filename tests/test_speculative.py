@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import tiny_model
+from helpers import tiny_model, wait_until
 
 import gpt2_core
 from gpt2_core import GPT2Config, kv_cache
@@ -372,9 +372,11 @@ def test_bad_input_is_a_clear_error():
 
 def test_serve_speculative_gives_the_openai_client_the_librarys_greedy_text():
     """``python -m gpt2_core serve --speculative ngram:4``: concurrent clients, streaming and not, get the text of
-    ``kv_cache.generate``; a bad spec is refused before the server starts."""
+    ``kv_cache.generate``, and /metrics counts the drafts (vLLM's spec_decode counters); a bad spec is refused
+    before the server starts."""
     import asyncio
 
+    import httpx
     import openai
 
     from gpt2_core.ch07_serving.launch import ServerProcess
@@ -398,9 +400,84 @@ def test_serve_speculative_gives_the_openai_client_the_librarys_greedy_text():
 
     with ServerProcess("--speculative", "ngram:4") as server:
         got = asyncio.run(all_at_once(server.base_url))
+        assert wait_until(lambda: spec_counters(httpx.get(server.url + "/metrics").text)["num_drafts"] > 0)
+        counters = spec_counters(httpx.get(server.url + "/metrics").text)
+    check_spec_counters(counters, k=4)
     tok = EMBEDDED.tokenizer
     assert got == [tok.decode(kv_cache.generate(EMBEDDED, tok.encode(p), n), skip_special_tokens=True)
                    for p, n, _ in jobs]
     bad = subprocess.run([sys.executable, "-m", "gpt2_core", "serve", "--port", "0", "--speculative", "ngrams:4"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "speculative spec must be" in bad.stderr
+
+
+def spec_counters(metrics_text: str) -> dict:
+    """The spec_decode counters of a /metrics text: num_drafts, num_draft_tokens, num_accepted_tokens (0 if absent)
+    and per_pos (position -> accepted there); ``present``: whether any spec_decode series is there at all."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0, "per_pos": {}, "present": False}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if not s.name.startswith("gpt2_spec_decode_"):
+                continue
+            out["present"] = True
+            name = s.name.removeprefix("gpt2_spec_decode_").removesuffix("_total")
+            if name == "num_accepted_tokens_per_pos":
+                out["per_pos"][int(s.labels["position"])] = s.value
+            else:
+                out[name] = s.value
+    return out
+
+
+def check_spec_counters(c: dict, k: int) -> None:
+    """What vLLM's spec_decode counters must satisfy after some drafting: drafts were verified and some kept, no
+    more kept than drafted (nor more than k per pass); per position 0..k-1, the kept drafts add up to the accepted
+    total and never rise with the position (a draft is kept only if those before it in its pass were)."""
+    assert c["num_drafts"] > 0 and c["num_draft_tokens"] > 0 and c["num_accepted_tokens"] > 0, c
+    assert c["num_accepted_tokens"] <= c["num_draft_tokens"] <= k * c["num_drafts"], c
+    per_pos = [c["per_pos"][i] for i in range(k)]
+    assert sorted(c["per_pos"]) == list(range(k)) and sum(per_pos) == c["num_accepted_tokens"], c
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[0] <= c["num_drafts"], c
+
+
+def test_the_spec_decode_counters_count_what_the_engine_did_and_only_with_speculation():
+    """The server's /metrics (in process): with chapter 10's engine and its counters, vLLM's spec_decode counters
+    are there from the start at 0, and after a greedy request equal the engine's own ``spec_stats``; a plain
+    server has none of them."""
+    from starlette.testclient import TestClient
+
+    from gpt2_core.ch07_serving.app import make_app
+    from gpt2_core.ch10_speculative.spec_engine import build_speculative_engine
+    from gpt2_core.ch10_speculative.spec_metrics import SpecDecodeMetrics
+
+    engine = build_speculative_engine(EMBEDDED, "ngram:4", max_num_seqs=4)
+    with TestClient(make_app(EMBEDDED, "m", engine=engine, metric_parts=[SpecDecodeMetrics])) as http:
+        assert wait_until(lambda: spec_counters(http.get("/metrics").text)["per_pos"])  # the first loop's update
+        start = spec_counters(http.get("/metrics").text)
+        assert start["present"] and start["num_drafts"] == start["num_accepted_tokens"] == 0
+        assert start["per_pos"] == {i: 0 for i in range(4)}
+        for prompt in ("I am sure I am sure", TEXTS[0]):
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0})
+            assert r.status_code == 200
+        stats = engine.spec_stats
+        assert wait_until(lambda: spec_counters(http.get("/metrics").text)["num_drafts"] == stats.num_passes)
+        after = spec_counters(http.get("/metrics").text)
+    check_spec_counters(after, k=4)
+    assert (after["num_draft_tokens"], after["num_accepted_tokens"]) == (stats.num_draft_tokens,
+                                                                         stats.num_accepted_tokens)
+    kept = stats.accepted_per_position  # (as long as the longest pass's drafts: shorter if none had k)
+    assert [after["per_pos"][i] for i in range(4)] == kept + [0] * (4 - len(kept))
+    with TestClient(make_app(EMBEDDED, "m", max_num_seqs=2)) as http:
+        assert http.post("/v1/completions", json={"prompt": TEXTS[0], "max_tokens": 5}).status_code == 200
+        assert not spec_counters(http.get("/metrics").text)["present"]
+
+
+def test_spec_stats_count_accepted_drafts_by_position():
+    stats = SpecStats()
+    stats.record(4, 2, 3)  # positions 0 and 1 kept, 2 rejected
+    stats.record(4, 4, 5)  # all kept
+    stats.record(2, 0, 1)  # the budget cut this pass to 2 drafts; the first rejected
+    assert stats.accepted_per_position == [2, 2, 1, 1]
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens == 6
+    assert (stats.num_passes, stats.num_draft_tokens, stats.num_rejections) == (3, 10, 2)

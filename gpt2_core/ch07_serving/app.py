@@ -5,7 +5,8 @@
 
 ``python -m gpt2_core serve`` runs it (``serve_main``); ``make_app`` builds the ASGI app for any other ASGI
 server or a test. What every route goes through (request ids, the access log, API key, CORS, content type, body
-limit, OpenAI-shaped errors) is in ``middleware``.
+limit, OpenAI-shaped errors) is in ``middleware``; what a slow client may hold, in ``slow_clients``; how a
+request's events become its answer (whole or streamed, for completions and chat alike), in ``answers``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ import copy
 import errno
 import functools
 import itertools
-import json
-import math
 import signal
 import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 
 from ..errors import GPT2Error, InvalidInputError, MissingDependencyError
 
@@ -39,23 +37,23 @@ from uvicorn.config import LOGGING_CONFIG
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..ch04_paged.block_manager import blocks_needed
 from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
 from ..ch06_quantization.quant_kv_store import kv_codec
-from .chat import ChatCompletions, next_event
+from .answers import Batch, CompletionShape, answer
+from .chat import ChatCompletions
 from .http_metrics import HTTPMetrics
 from .priority_scheduler import PriorityScheduler
 from .engine_loop import EngineLoop, Job
 from .metrics import ServerMetrics
 from .middleware import EXCEPTION_HANDLERS, MAX_BODY_BYTES, OPEN_PATHS, error_response, middleware_stack
-from .protocol import (BadRequest, CompletionRequest, completion_id, max_prompt_chars, parse_completions,
-                       parse_json)
+from .protocol import BadRequest, CompletionRequest, completion_id, max_prompt_chars, parse_completions, parse_json
+from .slow_clients import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, guarded_protocol
 from .utility_routes import UtilityRoutes
-
 
 
 def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 512, num_blocks: int | None = None,
@@ -71,30 +69,13 @@ def build_engine(model, max_num_seqs: int = 32, max_num_batched_tokens: int = 51
     return engine  # the scheduler got the engine's clock, the one arrival times are stamped with
 
 
-@dataclass
-class Batch:
-    """One HTTP request in the engine: a job per prompt, all with the same fields. Sample ``i`` of prompt ``p`` is
-    choice ``p * n + i`` of the answer, as OpenAI and vLLM number them."""
-
-    id: str
-    jobs: list
-    events: asyncio.Queue  # every job's events, as ("token" | "finish", choice, ...)
-
-    @property
-    def request(self) -> CompletionRequest:  # the fields every prompt shares
-        return self.jobs[0].request
-
-    @property
-    def n(self) -> int:
-        return len(self.jobs) * self.request.n
-
-
 class Server:
-    """The app's state: the model's name and tokenizer, the engine loop, the metrics."""
+    """The app's state: the model's name and tokenizer, the engine loop, the metrics (``metric_parts``: a later
+    chapter's, see ``ServerMetrics``)."""
 
-    def __init__(self, model, model_name: str, engine, max_waiting: int = 64):
+    def __init__(self, model, model_name: str, engine, max_waiting: int = 64, metric_parts=()):
         self.model, self.model_name, self.engine = model, model_name, engine
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, metric_parts)
         self.loop = EngineLoop(engine, model.tokenizer, self.metrics, max_waiting)
         self.created = int(time.time())
         self.max_prompt_chars = max_prompt_chars(model.tokenizer, model.config.n_positions)
@@ -115,22 +96,27 @@ class Server:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request: Request) -> Response:
+        return await self.generate(request, self.parse, CompletionShape, "cmpl")
+
+    # -- what completions and chat share ----------------------------------------------------------------------------
+    async def generate(self, request: Request, parse, shape, prefix: str) -> Response:
+        """Read the body, ``parse`` it (bytes -> a ``CompletionRequest`` per prompt, or a ``BadRequest``) in a
+        worker thread, queue a job per prompt, answer in the ``shape`` of the API (ids ``prefix-...``)."""
         if self.loop.num_waiting() >= self.loop.max_waiting:  # full: refuse before reading or checking anything
             return self._refuse(BadRequest(f"the server is at capacity: {self.loop.max_waiting} requests are waiting "
                                            f"already; retry later", None, 429), "queue_full")
         raw = await request.body()  # (a client gone before sending it all: RequestContext ends this quietly)
         try:  # JSON and tokenizing in a worker thread: the event loop (other clients, /health) goes on meanwhile
-            requests = await run_in_threadpool(self.parse, raw)
+            requests = await run_in_threadpool(parse, raw)
         except BadRequest as e:
             return self._refuse(e, "invalid")
-        batch = self._batch(requests, asyncio.Queue())
+        batch = self._batch(requests, asyncio.Queue(), prefix)
         try:
             self.loop.submit(*batch.jobs)
         except BadRequest as e:
             return self._refuse(e, "queue_full" if e.status == 429 else "unavailable")
-        return await self._answer(batch, request)
+        return await answer(shape(batch, self.model_name), request, self.loop)
 
-    # -- helpers --------------------------------------------------------------------------------------------------
     def parse(self, raw: bytes) -> list[CompletionRequest]:
         """A ``/v1/completions`` body, checked: a ``CompletionRequest`` per prompt, or a ``BadRequest``."""
         cfg = self.model.config
@@ -141,10 +127,10 @@ class Server:
         self.metrics.reject(reason)
         return error_response(error)
 
-    def _batch(self, requests: list[CompletionRequest], events: asyncio.Queue) -> Batch:
+    def _batch(self, requests: list[CompletionRequest], events: asyncio.Queue, prefix: str) -> Batch:
         """A job per prompt; each one's events go to ``events`` numbered as the answer's choices."""
         aio = asyncio.get_running_loop()
-        rid = f"{completion_id()}-{next(self._ids)}"
+        rid = f"{completion_id(prefix)}-{next(self._ids)}"
 
         def emitter(offset: int):
             return lambda ev: aio.call_soon_threadsafe(events.put_nowait, (ev[0], ev[1] + offset, *ev[2:]))
@@ -152,129 +138,23 @@ class Server:
         jobs = [Job(rid if len(requests) == 1 else f"{rid}-{p}", r, emitter(p * r.n)) for p, r in enumerate(requests)]
         return Batch(rid, jobs, events)
 
-    async def _answer(self, batch: Batch, request: Request) -> Response:
-        """The answer once the first event is in: an error (refused by the engine), a stream, or the whole text."""
-        done = False
-        try:
-            first = await self._next(batch.events, request)  # before answering: a refusal can still be a 400
-            if first is None:
-                return Response(status_code=499)  # the client went away (nginx's code; nobody reads it)
-            if first[0] == "finish" and first[2] == "error":  # (the batch's other prompts are aborted below)
-                job = batch.jobs[first[1] // batch.request.n]
-                return error_response(BadRequest(first[3] or "the request failed", None, job.error_status))
-            if batch.request.stream:
-                done = True  # the generator below owns the request from here on
-                return StreamingResponse(self._sse(batch, first, request), media_type="text/event-stream")
-            body = await self._whole(batch, first, request)
-            if body is None:  # the client went away: the finally below aborts the request
-                return Response(status_code=499)
-            done = True
-            return JSONResponse(body, status_code=500 if "error" in body else 200)
-        finally:
-            if not done:
-                self._abort(batch)
-
-    def _abort(self, batch: Batch) -> None:
-        for job in batch.jobs:  # (a job that finished already is not in the engine: nothing happens)
-            self.loop.abort(job.request_id)
-
-    _next = staticmethod(next_event)  # the next event, or None if the client went away (chat's too)
-
-    def _chunk(self, batch: Batch, choices: list, usage: dict | None = None) -> dict:
-        out = {"id": batch.id, "object": "text_completion", "created": int(time.time()),
-               "model": self.model_name, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    @staticmethod
-    def _usage(batch: Batch, tokens: list[int]) -> dict:
-        p, c = sum(len(job.request.prompt_token_ids) for job in batch.jobs), sum(tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    @staticmethod
-    def _logprobs(entries: list, offset: int) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for text, lp, top in entries:
-            out["tokens"].append(text)
-            out["token_logprobs"].append(lp if math.isfinite(lp) else -1e30)
-            out["top_logprobs"].append({t: (v if math.isfinite(v) else -1e30) for t, v in top.items()})
-            out["text_offset"].append(offset)
-            offset += len(text)
-        return out
-
-    async def _whole(self, batch: Batch, event, request: Request) -> dict | None:
-        n = batch.n
-        texts, lps, reasons, counts, errors = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n, []
-        while True:
-            if event[0] == "token":
-                _, i, piece, _, lp = event
-                texts[i] += piece
-                if lp is not None:
-                    lps[i].append(lp)
-            else:
-                _, i, reason, error, count = event
-                reasons[i], counts[i] = reason, count
-                if error:
-                    errors.append(error)
-                if all(r is not None for r in reasons):
-                    break
-            event = await self._next(batch.events, request)
-            if event is None:
-                return None
-        if errors:  # a sample failed after it started (its own sampling raised): say so, with what was made
-            return BadRequest(errors[0], None, 500).body()
-        choices = [{"index": i, "text": texts[i], "finish_reason": reasons[i],
-                    "logprobs": self._logprobs(lps[i], 0) if batch.request.logprobs is not None else None}
-                   for i in range(n)]
-        return self._chunk(batch, choices, self._usage(batch, counts))
-
-    async def _sse(self, batch: Batch, event, request: Request):
-        req, finished, counts, offsets = batch.request, 0, [0] * batch.n, [0] * batch.n
-        try:
-            while True:
-                if event[0] == "token":
-                    _, i, piece, _, lp = event
-                    lp_json = None
-                    if req.logprobs is not None and lp is not None:
-                        lp_json = self._logprobs([lp], offsets[i])
-                    offsets[i] += len(piece)
-                    if piece or lp_json:
-                        choice = {"index": i, "text": piece, "logprobs": lp_json, "finish_reason": None}
-                        yield f"data: {json.dumps(self._chunk(batch, [choice]))}\n\n"
-                else:
-                    _, i, reason, error, count = event
-                    counts[i], finished = count, finished + 1
-                    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": reason}
-                    chunk = self._chunk(batch, [choice])
-                    if error:
-                        chunk["error"] = BadRequest(error, None, 500).body()["error"]
-                    yield f"data: {json.dumps(chunk)}\n\n"
-                    if finished == batch.n:
-                        break
-                event = await self._next(batch.events, request)
-                if event is None:
-                    return
-            if req.include_usage:
-                yield f"data: {json.dumps(self._chunk(batch, [], self._usage(batch, counts)))}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if finished < batch.n:  # the client went away (or the server is stopping): free its blocks now
-                self._abort(batch)
-
 
 def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: int = 64, step_delay_s: float = 0.0,
              api_key: str | None = None, open_paths=OPEN_PATHS, allowed_origins=(),
-             max_body_bytes: int = MAX_BODY_BYTES, **engine_args) -> Starlette:
+             max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S, metric_parts=(),
+             **engine_args) -> Starlette:
     """The ASGI app serving ``model`` (an engine is built with ``engine_args`` unless given). The engine's thread
     starts and stops with the app (its lifespan); ``app.state.server`` is the ``Server``. ``api_key``,
-    ``open_paths``, ``allowed_origins`` and ``max_body_bytes``: see ``middleware``."""
+    ``open_paths``, ``allowed_origins`` and ``max_body_bytes``: see ``middleware``; ``body_timeout_s``: see
+    ``slow_clients``; ``metric_parts``: more metrics on ``/metrics`` (see ``ServerMetrics``)."""
     if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
         raise InvalidInputError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if not (isinstance(body_timeout_s, (int, float)) and body_timeout_s > 0):
+        raise InvalidInputError(f"body_timeout_s must be a positive number of seconds, got {body_timeout_s!r}")
     if api_key is not None and not (isinstance(api_key, str) and api_key.strip()):
         raise InvalidInputError("the API key must not be empty (leave --api-key out for none)")
     server = Server(model, model_name, engine if engine is not None else build_engine(model, **engine_args),
-                    max_waiting)
+                    max_waiting, metric_parts)
     server.loop.step_delay_s = float(step_delay_s)
 
     @contextlib.asynccontextmanager
@@ -290,7 +170,7 @@ def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: in
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", ChatCompletions(server).create, methods=["POST"]),
         *UtilityRoutes(server).routes()], lifespan=lifespan,
-        middleware=middleware_stack(api_key, open_paths, allowed_origins, max_body_bytes),
+        middleware=middleware_stack(api_key, open_paths, allowed_origins, max_body_bytes, body_timeout_s),
         exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(HTTPMetrics, metrics=server.metrics, routes=app.routes)  # outermost: every answer counted
     app.state.server = server
@@ -318,11 +198,12 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve_main(args, prepare=None, build=None) -> int:
+def serve_main(args, prepare=None, build=None, metric_parts=()) -> int:
     """``python -m gpt2_core serve``: bind (a port in use is reported before anything loads), load the model, print
     where it listens, serve until SIGTERM/Ctrl-C. ``prepare(model) -> model``, if given, runs on the loaded model
     first (the CLI passes the appendix's kernels); ``build(model, **engine_args) -> engine``, if given, builds the
-    engine instead of ``build_engine`` (the CLI passes a later chapter's, for ``--speculative``)."""
+    engine instead of ``build_engine`` (the CLI passes a later chapter's, for ``--speculative``), and ``metric_parts``
+    add that engine's metrics to ``/metrics`` (see ``ServerMetrics``)."""
     from ..loading.weights import load_model
 
     sock, host, port = listen(args.host, args.port)
@@ -345,9 +226,10 @@ def serve_main(args, prepare=None, build=None) -> int:
         app = make_app(model, name, engine=None if build is None else build(model, **engine_args),
                        max_waiting=args.max_waiting, step_delay_s=args.step_delay_s, api_key=args.api_key,
                        open_paths=[p for p in args.open_paths.split(",") if p], allowed_origins=origins,
-                       max_body_bytes=args.max_body_bytes, **engine_args)
+                       max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+                       metric_parts=metric_parts, **engine_args)
         print(f"serving {name} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)", flush=True)
-        run_app(app, sock, args.log_level, args.graceful_shutdown_s, app.state.server.loop)
+        run_app(app, sock, args.log_level, args.graceful_shutdown_s, app.state.server.loop, args.header_timeout_s)
     finally:
         sock.close()
     print("server stopped", file=sys.stderr, flush=True)
@@ -381,15 +263,21 @@ def log_config(log_level: str) -> dict:
     return config
 
 
+def uvicorn_config(app, header_timeout_s: float = HEADER_TIMEOUT_S, **config) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: its h11 protocol with a clock on each request's headers
+    (``slow_clients``), uvicorn's access log off (the app's own, ``middleware.RequestContext``, has the request ids),
+    and ``config`` (uvicorn's own arguments: ``log_level``, ``timeout_graceful_shutdown``, ...)."""
+    return uvicorn.Config(app, http=guarded_protocol(header_timeout_s), access_log=False, **config)
+
+
 def run_app(app, sock: socket.socket, log_level: str, graceful_shutdown_s: float,
-            engine_loop: EngineLoop | None = None) -> None:
+            engine_loop: EngineLoop | None = None, header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
     """Serve ``app`` with uvicorn on ``sock`` until SIGTERM or Ctrl-C. With ``engine_loop`` (a server), requests
     still running when the grace period ends are aborted (``GracefulServer``); uvicorn's own timeout comes
-    ``ABORT_MARGIN_S`` later, for their streams to end. uvicorn's access log is off: the app's own
-    (``middleware.RequestContext``) has the request ids."""
+    ``ABORT_MARGIN_S`` later, for their streams to end."""
     margin = ABORT_MARGIN_S if engine_loop is not None else 0.0
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s + margin,
-                            access_log=False, log_config=log_config(log_level))
+    config = uvicorn_config(app, header_timeout_s, log_level=log_level, log_config=log_config(log_level),
+                            timeout_graceful_shutdown=graceful_shutdown_s + margin)
     # uvicorn stops gracefully on SIGTERM, then raises the signal again for the handler found at start: a no-op
     # one, so that a SIGTERM ends the process with status 0 once everything is shut down
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

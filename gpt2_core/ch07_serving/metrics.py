@@ -1,7 +1,9 @@
 """The server's Prometheus metrics (``/metrics``), named as vLLM names its own with a ``gpt2_`` prefix.
 
 Each server has its own registry (two servers in one process, as in the tests, do not share counts); the
-process collector adds ``process_resident_memory_bytes`` and friends, which the load benchmark reads.
+process collector adds ``process_resident_memory_bytes`` and friends, which the load benchmark reads. A later
+chapter's engine brings its own metrics as ``parts`` (chapter 10's speculative decoding counters): each made on the
+registry and updated between steps as the others are.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ SIZE_BUCKETS = tuple(m * 10**e for e in range(5) for m in (1, 2, 5)) + (100_000,
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    """The metrics of one server. ``parts``: factories ``part(registry, labels)`` of objects with ``update(engine)``,
+    called between steps by the engine's thread (a later chapter's metrics, on the same registry and labels)."""
+
+    def __init__(self, model_name: str, parts=()):
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         labels = {"model_name": model_name}
@@ -69,6 +74,7 @@ class ServerMetrics:
                                       buckets=LATENCY_BUCKETS, registry=r)
         self._labels = labels
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+        self.parts = [make(r, labels) for make in parts]
 
     def observe_http(self, method: str, handler: str, status: int, seconds: float) -> None:
         """One HTTP request answered (``http_metrics.HTTPMetrics`` calls it)."""
@@ -103,6 +109,8 @@ class ServerMetrics:
             if now > self._seen[key]:
                 counter.inc(now - self._seen[key])
                 self._seen[key] = now
+        for part in self.parts:
+            part.update(engine)
 
     def observe(self, seq) -> None:
         """One finished sequence's latencies (its ``SequenceMetrics``)."""

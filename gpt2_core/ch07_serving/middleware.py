@@ -11,6 +11,7 @@ From the outside in (``middleware_stack``):
 * ``JsonOnly``: a POST, PUT or PATCH whose body is not ``application/json`` gets a 415. A web page can make a
   browser send a "simple" request (``text/plain``, no CORS preflight) to a server on localhost; not this one;
 * ``BodyLimit``: a body over ``--max-body-bytes`` gets a 413, before it is read when its length is announced.
+* ``BodyTimeout`` (``slow_clients``): a body still incomplete ``--body-timeout-s`` after the headers gets a 408.
 
 ``EXCEPTION_HANDLERS`` answer the router's own 404 and 405 and any ``BadRequest`` a route raises with OpenAI's
 error object: ``{"error": {"message", "type", "param", "code"}}``.
@@ -32,6 +33,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .protocol import BadRequest, shown
+from .slow_clients import BODY_TIMEOUT_S, BodyTimeout
 
 log = logging.getLogger("gpt2_core.ch07_serving")
 access_log = logging.getLogger("gpt2_core.access")
@@ -200,7 +202,8 @@ class BodyLimit:
 
 
 def middleware_stack(api_key: str | None = None, open_paths=OPEN_PATHS, allowed_origins=(),
-                     max_body_bytes: int = MAX_BODY_BYTES) -> list[Middleware]:
+                     max_body_bytes: int = MAX_BODY_BYTES,
+                     body_timeout_s: float = BODY_TIMEOUT_S) -> list[Middleware]:
     """The middlewares of the module's docstring, outermost first, for ``Starlette(middleware=...)``."""
     stack = [Middleware(RequestContext)]
     if allowed_origins:
@@ -208,5 +211,6 @@ def middleware_stack(api_key: str | None = None, open_paths=OPEN_PATHS, allowed_
                                 allow_headers=["*"], expose_headers=["X-Request-Id"]))
     if api_key:
         stack.append(Middleware(ApiKey, api_key=api_key, open_paths=tuple(open_paths)))
-    stack += [Middleware(JsonOnly), Middleware(BodyLimit, max_body_bytes=max_body_bytes)]
+    stack += [Middleware(JsonOnly), Middleware(BodyLimit, max_body_bytes=max_body_bytes),
+              Middleware(BodyTimeout, body_timeout_s=body_timeout_s)]
     return stack

@@ -28,8 +28,8 @@ NEUTRAL = {"echo": (False, None), "frequency_penalty": (0, 0.0, None), "presence
 # OpenAI's machine-readable ``error.code`` by HTTP status, unless a check gives a more precise one
 # (``model_not_found``, ``context_length_exceeded``, ``invalid_json``, ...).
 ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-               413: "request_too_large", 415: "unsupported_media_type", 429: "rate_limit_exceeded",
-               500: "internal_error", 503: "service_unavailable"}
+               408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
+               429: "rate_limit_exceeded", 500: "internal_error", 503: "service_unavailable"}
 
 
 def error_type(status: int) -> str:
@@ -367,5 +367,5 @@ def _top_k(row, k: int) -> list[int]:
     return idx[np.argsort(-row[idx], kind="stable")].tolist()
 
 
-def completion_id() -> str:
-    return f"cmpl-{time.time_ns():x}"
+def completion_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{time.time_ns():x}"

@@ -1,5 +1,5 @@
 """The small routes beside the completions: ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/version``, and
-``/v1/models/{id}`` (OpenAI's ``models.retrieve``); and ``read_json``, the body reader of these and of the chat route.
+``/v1/models/{id}`` (OpenAI's ``models.retrieve``); and ``read_json``, the body reader of these.
 
 * ``POST /tokenize`` ``{"prompt": text}`` or ``{"messages": [...]}`` (rendered with the chat template first) ->
   ``{"tokens": [...], "count": n, "max_model_len": n_ctx, "token_strs": null}``: the ids a completion of that

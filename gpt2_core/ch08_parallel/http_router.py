@@ -1,8 +1,14 @@
 """A router in front of replicas of ``python -m gpt2_core serve``: ``python -m gpt2_core route``.
 
 Each replica is a whole server with its own engine and its own prefix cache (chapter 5). The router proxies
-``/v1/completions`` (streamed or whole, statuses and error bodies passed through) to one of them, chosen by a policy
-of ``gpt2_core.ch08_parallel.routing``: ``round_robin`` or the cache-aware ``prefix_affinity``.
+``/v1/completions`` and ``/v1/chat/completions`` (streamed or whole, statuses and error bodies passed through) to
+one of them, chosen by a policy of ``gpt2_core.ch08_parallel.routing``: ``round_robin`` or the cache-aware
+``prefix_affinity``, which hashes a completion's prompt, or a chat's messages as text (a conversation's next turn
+starts with the text of the turns before). ``/tokenize`` and ``/detokenize`` go the same way, without a prompt to
+hash; ``/v1/models``, ``/v1/models/{id}`` and ``/version`` are asked of the first replica alive. What a request
+goes through is chapter 7's (``middleware_stack``): request ids, JSON bodies only, a body limit (the router
+holds a body whole before it forwards it: ``max_body_bytes``, 1 MiB as a server's), a clock on the body,
+OpenAI-shaped errors.
 
 A replica that refuses connections, drops a request or fails its health probe (every second) is taken out of
 rotation: its requests in flight get a 502 (or, streaming, an error event that ends the stream) naming it, never a
@@ -35,9 +41,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import InvalidInputError
+from ..errors import BAD_JSON, InvalidInputError
 from .routing import block_hashes, make_policy
 from ..ch07_serving.metrics import RouterMetrics
+from ..ch07_serving.middleware import EXCEPTION_HANDLERS, MAX_BODY_BYTES, middleware_stack
 from ..ch07_serving.protocol import BadRequest
 
 log = logging.getLogger("gpt2_core.router")
@@ -52,6 +59,24 @@ def replica_url(url: str) -> str:
         raise InvalidInputError(f"--replica must be a server's URL such as http://127.0.0.1:8001 (or .../v1), "
                                 f"got {url!r}")
     return base
+
+
+def routing_prompt(path: str, body: bytes):
+    """What the policy hashes for a POST to ``path``: a completion's ``prompt``; a chat's ``messages`` as one text
+    (each message's JSON in turn: the next turn of a conversation starts with the text of the one before); None
+    otherwise, or for a body the replica will refuse."""
+    if path not in ("/v1/completions", "/v1/chat/completions"):
+        return None
+    try:
+        fields = json.loads(body)
+        if path == "/v1/completions":
+            return fields.get("prompt")
+        messages = fields.get("messages")
+        if not isinstance(messages, list):
+            return None
+        return "".join(json.dumps(m, ensure_ascii=False, sort_keys=True) for m in messages)
+    except (*BAD_JSON, AttributeError, TypeError):  # not JSON (or nested too deep), not an object
+        return None
 
 
 class ReplicaDown(Exception):
@@ -194,11 +219,16 @@ class Router:
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def models(self, request: Request) -> Response:
+    async def relay_get(self, request: Request) -> Response:
+        """A GET (``/v1/models``, ``/v1/models/{id}``, ``/version``) answered by the first replica alive."""
+        path = request.scope.get("raw_path") or request.url.path.encode()
+        query = request.scope.get("query_string", b"")
+        target = (path + (b"?" + query if query else b"")).decode("latin-1")
         for r, rep in enumerate(self.replicas):
             if rep.alive:
                 try:
-                    upstream = await self.http.get(rep.url + "/v1/models")
+                    upstream = await self.http.request(request.method, rep.url + target,
+                                                       headers=self.forwarded(request))
                 except httpx.TransportError as e:
                     self.take_out(r, f"{type(e).__name__}: {e}")
                     continue
@@ -206,21 +236,28 @@ class Router:
                                 media_type=upstream.headers.get("content-type"))
         return self.unavailable()
 
-    async def completions(self, request: Request) -> Response:
-        body = await request.body()
-        try:
-            prompt = json.loads(body).get("prompt")
-        except (ValueError, AttributeError):  # not JSON, or not an object: the replica will say what is wrong
-            prompt = None
-        hashes, tried = block_hashes(prompt), set()
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
+    @staticmethod
+    def forwarded(request: Request) -> dict:
+        """The client's headers a replica needs, as sent: the body's type (JSON if none), the API key; and the request
+        id (the router's)."""
+        headers = {"content-type": b"application/json"}
+        headers.update((k.decode(), v) for k, v in request.scope["headers"] if k in (b"content-type", b"authorization"))
+        rid = request.scope.get("gpt2_core.request_id") or request.headers.get("x-request-id")
+        if rid:
+            headers["x-request-id"] = rid
+        return headers
+
+    async def forward(self, request: Request) -> Response:
+        """A POST (completions, chat, tokenize, detokenize) sent to the replica the policy chooses for its prompt."""
+        body, path = await request.body(), request.url.path
+        hashes, tried = block_hashes(routing_prompt(path, body)), set()
+        headers = self.forwarded(request)
         while True:
             r = self.route(hashes, tried)
             if r is None:
                 return self.unavailable()
             tried.add(r)
-            forward = self.http.build_request("POST", self.replicas[r].url + "/v1/completions", content=body,
-                                              headers=headers)
+            forward = self.http.build_request("POST", self.replicas[r].url + path, content=body, headers=headers)
             try:
                 upstream = await self.until_down(r, self.http.send(forward, stream=True), request)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing reached it: take it out, try another
@@ -290,9 +327,12 @@ async def _close(upstream: httpx.Response) -> None:
         await upstream.aclose()
 
 
-def make_router_app(urls: list[str], policy: str = "prefix_affinity", **router_args) -> Starlette:
+def make_router_app(urls: list[str], policy: str = "prefix_affinity", max_body_bytes: int = MAX_BODY_BYTES,
+                    **router_args) -> Starlette:
     """The ASGI app routing to the servers at ``urls``; ``app.state.router`` is the ``Router``. The health probe
-    runs with the app (its lifespan)."""
+    runs with the app (its lifespan). A body over ``max_body_bytes`` gets a 413 here, before the router holds it."""
+    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+        raise InvalidInputError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     router = Router(urls, policy, **router_args)
 
     @contextlib.asynccontextmanager
@@ -308,9 +348,12 @@ def make_router_app(urls: list[str], policy: str = "prefix_affinity", **router_a
             prober.cancel()
             await router.http.aclose()
 
-    app = Starlette(routes=[
-        Route("/health", router.health), Route("/v1/models", router.models), Route("/metrics", router.metrics_text),
-        Route("/v1/completions", router.completions, methods=["POST"])], lifespan=lifespan)
+    posts = [Route(path, router.forward, methods=["POST"])
+             for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")]
+    gets = [Route(path, router.relay_get) for path in ("/v1/models", "/v1/models/{model_id:path}", "/version")]
+    app = Starlette(routes=[Route("/health", router.health), Route("/metrics", router.metrics_text), *posts, *gets],
+                    lifespan=lifespan, middleware=middleware_stack(max_body_bytes=max_body_bytes),
+                    exception_handlers=EXCEPTION_HANDLERS)
     app.state.router = router
     return app
 
@@ -333,7 +376,8 @@ def route_main(args) -> int:
         started = start_servers(args.replicas, *serve_args, threads=1) if args.replicas else []
         urls = [*args.replica, *(s.url for s in started)]
         policy_args = {"balance_abs": args.balance_abs, "balance_rel": args.balance_rel}
-        app = make_router_app(urls, args.policy, **(policy_args if args.policy == "prefix_affinity" else {}))
+        app = make_router_app(urls, args.policy, args.max_body_bytes,
+                              **(policy_args if args.policy == "prefix_affinity" else {}))
         sock, host, port = listen(args.host, args.port)
         print(f"routing to {len(urls)} replicas ({args.policy}) on http://{host}:{port}/v1 "
               f"(metrics: http://{host}:{port}/metrics)", flush=True)

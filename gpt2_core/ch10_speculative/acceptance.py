@@ -20,7 +20,7 @@ independently, a round emits ``1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -114,9 +114,14 @@ class SpecStats:
     num_accepted_tokens: int = 0  # of those, kept
     num_rejections: int = 0  # passes that ended at a rejected draft (the others kept every draft)
     num_emitted_tokens: int = 0  # tokens the passes emitted: the accepted drafts and one token of the target each
+    # per draft position (0: the first draft of a pass): drafts accepted there (vLLM: num_accepted_tokens_per_pos)
+    accepted_per_position: list = field(default_factory=list, repr=False, compare=False)
 
     def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
         self.num_passes += 1
+        self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for position in range(num_accepted):  # the accepted drafts are a pass's first ones
+            self.accepted_per_position[position] += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         self.num_rejections += num_accepted < num_drafts
