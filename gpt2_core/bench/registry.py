@@ -146,6 +146,14 @@ def _print_capstone(out: dict) -> None:
           f"{r['bound_tokens_per_s']:9.1f} {r['bound_kind']:>6s} {ttft:>9s} {itl:>8s}\n")
     for s in out["skipped"]:
         w(f"  skipped {s['method']}: {s['reason']}\n")
+    for r in out["results"]:
+        if r.get("step_bound_tokens_per_s"):
+            w(f"  per-step bound {r['method']:16s} {r['step_bound_tokens_per_s']:9.1f} tok/s, reached "
+              f"{r['fraction_of_step_bound']:.0%} ({r['kernels']})\n")
+    chapter = out.get("chapter_code")
+    for r in (chapter or {}).get("results", []):
+        w(f"  chapter code {r['method']:16s} {r['tokens_per_s']:9.1f} tok/s, bound {r['bound_tokens_per_s']:9.1f}" +
+          (f", per-step bound {r['step_bound_tokens_per_s']:9.1f}" if r.get("step_bound_tokens_per_s") else "") + "\n")
     for p in out["sweep"]:
         w(f"  sweep {p['prompt_len']:4d} + {p['new_tokens']:4d}: final {p['final_tokens_per_s']:7.1f} tok/s, naive "
           f"{p['naive_tokens_per_s']:6.2f} tok/s, span {p['span']:6.1f}x\n")
