@@ -28,16 +28,41 @@ GEMM rate, and the bytes it reads (its weights once per model step, the K/V each
 memory bandwidth: ``bound_tokens_per_s`` = output tokens / max(FLOP time, byte time), ``bound_kind`` the larger.
 ``compute_bound``: the workload's FLOPs for an engine that computes each position once, at the GEMM rate.
 
+That GEMM rate is measured at 256 rows; a decode step of 32 sequences multiplies 32 rows, where a matrix library
+does fewer FLOPs per second. So each engine row also gets a **per-step bound** (``step_bound_tokens_per_s``): every
+step the engine ran (recorded by ``StepRecorder``) priced at the rate measured in the run for its own number of
+rows (``gemm_rates``: the model's own matrices at 1, 2, 4, ... 2048 rows, interpolated), or at its bytes if those
+take longer (``roofline.per_step_bound``); with ``step_time``, the model's measured time beside that bound by the
+steps' rows, and the time outside the model. ``step_anatomy`` splits one 32-row decode step into its matmuls,
+attention and the rest.
+
+More rows:
+
+* the **chapter code's run** (``chapter_code``): the float32 rows again on the plain model, without the appendix's
+  ``accelerate()`` kernels (offline throughput only), each row beside its bounds at the plain kernels' rates;
+* **speculative decoding** (chapter 10): ``spec_ngram_free`` and ``spec_ngram_copy``, chapter 10's engine (chapter
+  5's with k = 4 drafts a step) on the same workload. Random weights predict noise, so their acceptance would mean
+  nothing: the drafter replays, step by step, the outcomes the trained embedded model's prompt lookup had on chapter
+  10's free text and copy task (``ReplayDrafter``, ``embedded_outcomes``). The speed is this engine's on GPT-2
+  124M's shape; the acceptance is a trained model's.
+* **served** (chapter 7): ``python -m gpt2_core serve`` on these random weights (written to a temporary folder),
+  every request sent at once over HTTP (the server at capacity), streamed; skipped with a note without the serve
+  extra; and **tp2** (chapter 8, in the chapter code's run): ``prefix_cached``'s engine with its model step on
+  two worker processes of 1 BLAS thread (``TensorParallelRunner``), offline.
+
 Timings use random weights of GPT-2 124M's shape (the time of a matmul does not depend on the numbers in it);
 ``--quick``: 2 of its 12 layers, 8 short requests, a short sweep.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import multiprocessing
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
@@ -46,24 +71,34 @@ from ..ch02_kv_cache import kv_cache
 from ..ch06_quantization import quant_kernels
 from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..loading.config import GPT2Config, preset
-from ..a1_cpu_kernels import accelerate
+from ..a1_cpu_kernels import accelerate, array_of
 from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..ch02_kv_cache.kv_cache import kv_cache_bytes
 from ..ch04_paged.paged_kv_store import FP32, PagedKVStore
 from ..ch05_sharing.prefix_cache import PrefixCachingKVStore
 from ..ch06_quantization.quant_kv_store import Int8Codec
 from ..ch06_quantization.quantization import MATRICES, QuantizedEmbedding, bytes_per_token, quantize_model
-from ..ch11_capstone.roofline import (count_work, forward_flops, request_passes, roofline, static_passes,
-                                     workload_passes)
+from ..ch04_paged.block_manager import blocks_needed
+from ..ch10_speculative import speculative
+from ..ch10_speculative.acceptance import SpecStats
+from ..ch10_speculative.drafters import PromptLookupDrafter, Proposal
+from ..ch10_speculative.rollback import SpeculativeKVStore
+from ..ch10_speculative.spec_engine import SpeculativeEngine
+from ..ch08_parallel.tp_runner import TensorParallelRunner
+from ..ch11_capstone.roofline import (count_work, forward_flops, per_step_bound, request_passes, roofline,
+                                     static_passes, step_seconds, workload_passes)
 from ..ch03_batching.sequence import FinishReason, Request, SequenceMetrics
-from ..loading.weights import GPT2Model, random_model
+from ..loading.weights import GPT2Model, load_model, random_model
 from . import workload as wl
 from . import progress
-from .batching import gemm_bound_tokens_per_s, replay_hf, warm_up
+from .batching import decode_step_runner, gemm_bound_tokens_per_s, replay_hf, warm_up
 from .common import GRADING, QUICK, blas_info, blas_threads, median_time
 from .kv_cache import gemv_bandwidth
 from .paged import fresh
 from .replay import replay, replay_static
+from .router import missing_extra, run_async, write_random_checkpoint
+from .serve import Client
+from .spec import embedded_workloads
 
 MAX_BATCH = 32  # max_num_seqs of the batched engines, the batch of static and HF
 MAX_NUM_BATCHED_TOKENS = 2048
@@ -71,6 +106,13 @@ BLOCK_SIZE = 16
 NAIVE_STRIDE = 8  # naive runs every 8th request (quick: every 4th)
 QUANT_FORMAT = "int8"  # chapter 6's best form: 3.9x fewer bytes, perplexity +0.2%, the kernel ~1.8x at batch 1
 GEMM_ROWS = 256  # the GEMM rate: a step's matmuls at this many rows (a prefill's), each timed alone
+RATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # the rate curve: row counts measured (full run)
+QUICK_RATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+HEAD_MAX_ROWS = 256  # the LM head runs on one row per sequence (k + 1 when it verifies drafts): at most 160 here
+ROW_BUCKETS = ((1, 8), (9, 32), (33, 256), (257, None))  # steps grouped by their rows, for where the time goes
+SPEC_K = 4  # speculative tokens per step (chapter 10's engine arms)
+CHAPTER_CODE = "chapter code (plain NumPy: x @ W by BLAS)"
+ACCELERATED = "the appendix's accelerate() kernels under the chapter code"
 ENGINES = ("naive", "kv_cache", "static", "continuous", "paged", "prefix_cached")
 ESSAY = [("naive", 10), ("kv_cache", 100), ("serving engine", 1000)]  # the essay's table, tok/s
 
@@ -120,6 +162,9 @@ def queue_latencies(service: list[tuple[float, list[float]]], arrivals: list[flo
     return latency_fields(ttft, gaps)
 
 
+NO_LATENCY = {"ttft_p50_s": None, "itl_p50_s": None, "itl_p99_s": None}
+
+
 def latency_fields(ttft, gaps) -> dict:
     def pct(v, q):
         return float(np.percentile(v, q)) if len(v) else None
@@ -152,14 +197,44 @@ def serve_engine(model: GPT2Model, method: str, requests: list[Request], arrival
     """Serve ``requests`` with ``method``'s engine (``continuous``, ``paged``, ``prefix_cached``, ``int8_kv`` or a
     quantized model's paged engine): offline (``arrivals=False``) or with their arrival times on the wall clock.
     -> {outputs, seconds, model_steps, kv_bytes_peak, kv_bytes_allocated, num_preemptions}."""
-    engine = make_engine(model, method, requests, max_num_seqs)
+    return run_engine(make_engine(model, method, requests, max_num_seqs), requests, arrivals)
+
+
+class StepRecorder:
+    """An engine's ``forward``, wrapped: each step's chunks as (queries, keys, head_rows) and the seconds the model
+    took, so that each step can be priced at its own shape (``per_step_bound``) beside the time it took."""
+
+    def __init__(self, forward):
+        self.forward, self.steps, self.seconds = forward, [], []
+
+    def __call__(self, model, store, chunks, logits_indices=None):
+        lengths = [len(c.token_ids) for c in chunks]
+        if logits_indices is None:  # the last row of each chunk
+            heads = [1] * len(chunks)
+        else:  # the rows named, counted per chunk (a verify chunk has one per row)
+            at = np.searchsorted(np.cumsum(lengths), np.asarray(logits_indices), side="right")
+            heads = np.bincount(at, minlength=len(chunks)).tolist()
+        self.steps.append([(q, c.start + q, h) for q, c, h in zip(lengths, chunks, heads)])
+        t0 = time.perf_counter()
+        if logits_indices is None:
+            out = self.forward(model, store, chunks)
+        else:
+            out = self.forward(model, store, chunks, logits_indices)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+
+
+def run_engine(engine, requests: list[Request], arrivals: bool) -> dict:
+    """Serve ``requests`` with ``engine`` offline or on their arrivals, its steps recorded (``StepRecorder``)."""
+    engine.forward = recorder = StepRecorder(engine.forward)
     t0 = time.perf_counter()
     outputs = replay(engine, fresh(requests)) if arrivals else engine.generate_many(at_zero(requests))
     seconds = time.perf_counter() - t0
     per_position = engine.store.bytes_per_token  # K/V of one position as the store keeps them
     return {"outputs": outputs, "seconds": seconds, "model_steps": engine.num_steps,
             "kv_bytes_peak": per_position * max(s.kv_reserved_tokens for s in engine.step_stats),
-            "kv_bytes_allocated": int(engine.store.nbytes), "num_preemptions": engine.scheduler.num_preemptions}
+            "kv_bytes_allocated": int(engine.store.nbytes), "num_preemptions": engine.scheduler.num_preemptions,
+            "steps": recorder.steps, "forward_seconds": recorder.seconds, "engine": engine}
 
 
 def serve_static(model: GPT2Model, requests: list[Request], arrivals: bool, batch: int = MAX_BATCH) -> dict:
@@ -190,6 +265,53 @@ def median_limits(readings: list[dict]) -> dict:
     return {k: float(np.median([r[k] for r in readings])) for k in readings[0]}
 
 
+def gemm_rates(model: GPT2Model, rows=RATE_ROWS, repeats: int = 5) -> dict:
+    """The GEMM rate at each of ``rows`` on the model's own matrices, multiplied as the model holds them (the
+    appendix's ``FastWeight`` or a plain array: each run is priced by its own kernels): the first block's four
+    products, each timed alone (the block's rate: their FLOPs over their summed medians), and the LM head's
+    product up to ``HEAD_MAX_ROWS`` rows. -> ``{"rows", "blocks", "head_rows", "head"}`` (FLOP/s), lists that
+    ``step_seconds`` reads."""
+    p, E, V = model.params["h"][0], model.config.n_embd, model.config.vocab_size
+    mats = [p["attn"]["c_attn"]["weight"], p["attn"]["c_proj"]["weight"], p["mlp"]["c_fc"]["weight"],
+            p["mlp"]["c_proj"]["weight"]]
+    head, rng = model.params["wte"].T, np.random.default_rng(0)
+    out = {"rows": [int(n) for n in rows], "blocks": [], "head_rows": [], "head": []}
+    for n in rows:
+        xs = {k: rng.standard_normal((n, k), dtype=np.float32) for k in {array_of(w).shape[0] for w in mats}}
+        seconds = sum(median_time(lambda w=w: xs[array_of(w).shape[0]] @ w, repeats=repeats) for w in mats)
+        out["blocks"].append(2 * n * sum(array_of(w).size for w in mats) / seconds)
+        if n <= HEAD_MAX_ROWS:
+            x = xs[E]
+            out["head_rows"].append(int(n))
+            out["head"].append(2 * n * E * V / median_time(lambda: x @ head, repeats=max(3, repeats // 2)))
+    return out
+
+
+def median_rates(readings: list[dict]) -> dict:
+    """The median over readings of each rate of ``gemm_rates`` (the same row counts in each)."""
+    return {k: readings[0][k] if k.endswith("rows") else [float(np.median(v)) for v in zip(*(r[k] for r in readings))]
+            for k in readings[0]}
+
+
+class MachineReadings:
+    """The machine's limits (``measure_limits``) and the GEMM rate curves of both kernels (``gemm_rates``: the
+    appendix's on ``fast``, the chapter code's on ``plain``), read a few times during the run; medians at the end."""
+
+    def __init__(self, fast: GPT2Model, plain: GPT2Model | None, rows):
+        self.fast, self.plain, self.rows = fast, plain, rows
+        self.limits, self.fast_rates, self.plain_rates = [], [], []
+
+    def read(self) -> None:
+        self.limits.append(measure_limits(self.fast))
+        self.fast_rates.append(gemm_rates(self.fast, self.rows))
+        if self.plain is not None:
+            self.plain_rates.append(gemm_rates(self.plain, self.rows))
+
+    def medians(self) -> tuple[dict, dict, dict | None]:
+        plain = median_rates(self.plain_rates) if self.plain_rates else None
+        return median_limits(self.limits), median_rates(self.fast_rates), plain
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The rows. Each is measured first and given its bound at the end, once the limits of the whole run are known.
 
@@ -201,18 +323,47 @@ def record(method: str, model: GPT2Model, offline: dict, latency: dict, passes, 
     key, if not float32 K/V)."""
     tokens = sum(len(o.output_token_ids) for o in offline["outputs"] if o.finish_reason is not FinishReason.ERROR)
     weights = model if weights is None else weights
+    if kv_bytes_per_position is not None:
+        extra["kv_bytes_per_position"] = kv_bytes_per_position
     work = count_work(model.config, passes, offline["model_steps"], bytes_per_token(weights), kv_bytes_per_position)
     return {"method": method, "batch": extra.pop("batch", 1), "tokens_per_s": tokens / offline["seconds"],
             **latency, "kv_bytes_peak": int(offline["kv_bytes_peak"]), "weight_bytes": int(weights.nbytes()),
             "output_tokens": tokens, "seconds": offline["seconds"], **work,
+            "weight_bytes_per_step": int(bytes_per_token(weights)),
             "num_preemptions": offline.get("num_preemptions", 0), **extra}
 
 
-def with_bound(row: dict, limits: dict) -> dict:
-    """``row`` with its roofline at the run's ``limits`` and the fraction of it reached."""
+def with_bound(row: dict, limits: dict, rates: dict | None = None, config: GPT2Config | None = None) -> dict:
+    """``row`` with its roofline at the run's ``limits`` and the fraction of it reached; an engine row whose steps
+    were kept (``_steps``) also with its per-step bound at ``rates`` (``step_pricing``)."""
     bound = roofline(row["flops"], row["bytes_read"], row["output_tokens"], limits["gemm_flops_per_s"],
                      limits["bytes_per_s"])
-    return {**row, **bound, "fraction_of_bound": row["tokens_per_s"] / bound["bound_tokens_per_s"]}
+    out = {**row, **bound, "fraction_of_bound": row["tokens_per_s"] / bound["bound_tokens_per_s"]}
+    recorded = out.pop("_steps", None)
+    if recorded is not None and rates is not None:
+        out.update(step_pricing(config, out, recorded, rates, limits["bytes_per_s"]))
+    return out
+
+
+def step_pricing(config: GPT2Config, row: dict, recorded, rates: dict, bytes_per_s: float) -> dict:
+    """``row``'s per-step bound (``per_step_bound``: every step it ran, each at the GEMM rate for its own rows) and
+    where its time went: the model's measured time beside the bound, by the steps' rows (``ROW_BUCKETS``), and the
+    time outside the model (scheduling, sampling, the engine's bookkeeping)."""
+    steps, seconds = recorded
+    args = (row["weight_bytes_per_step"], rates, bytes_per_s)
+    kv = row.get("kv_bytes_per_position")
+    bound = per_step_bound(config, steps, *args, row["output_tokens"], kv)
+    buckets = []
+    for lo, hi in ROW_BUCKETS:
+        picked = [(c, s) for c, s in zip(steps, seconds) if lo <= sum(q for q, _, _ in c) <= (hi or float("inf"))]
+        if picked:
+            buckets.append({"rows": f"{lo}-{hi}" if hi else f"{lo}+", "steps": len(picked),
+                            "mean_rows": float(np.mean([sum(q for q, _, _ in c) for c, _ in picked])),
+                            "bound_s": sum(max(step_seconds(config, c, *args, kv)) for c, _ in picked),
+                            "forward_s": sum(s for _, s in picked)})
+    return {**bound, "fraction_of_step_bound": row["tokens_per_s"] / bound["step_bound_tokens_per_s"],
+            "step_time": {"forward_s": sum(seconds), "outside_forward_s": row["seconds"] - sum(seconds),
+                          "by_rows": buckets}}
 
 
 def lengths_of(requests) -> list[tuple[int, int]]:
@@ -267,25 +418,31 @@ def kv_cache_row(model: GPT2Model, requests, weights: GPT2Model | None = None) -
 
 
 def batched_row(model: GPT2Model, method: str, requests, engine: str | None = None,
-                weights: GPT2Model | None = None, **extra) -> tuple[dict, list]:
-    """``static`` or an engine (``engine``: which one runs ``method``): offline, then on the arrivals."""
-    def serve(arrivals):
+                weights: GPT2Model | None = None, arrivals: bool = True, price_steps: bool = True,
+                **extra) -> tuple[dict, list]:
+    """``static`` or an engine (``engine``: which one runs ``method``): offline, then (``arrivals``) on the
+    arrivals for its latencies. An fp32 engine's steps are kept (``price_steps``) for ``with_bound`` to price."""
+    def serve(on_arrivals):
         if method == "static":
-            return serve_static(model, requests, arrivals)
-        return serve_engine(model, engine or method, requests, arrivals)
+            return serve_static(model, requests, on_arrivals)
+        return serve_engine(model, engine or method, requests, on_arrivals)
     offline = serve(False)
-    online = serve(True)
-    row = record(method, model, offline, latencies_of(online["outputs"]), workload_passes(method, lengths_of(requests)),
+    latency = latencies_of(serve(True)["outputs"]) if arrivals else dict(NO_LATENCY)
+    if not arrivals:
+        extra["latency_basis"] = "offline throughput only: not replayed on the arrivals (it would add minutes)"
+    row = record(method, model, offline, latency, workload_passes(method, lengths_of(requests)),
                  weights, batch=MAX_BATCH, kv_bytes_allocated=int(offline["kv_bytes_allocated"]), **extra)
+    if price_steps and "steps" in offline:
+        row["_steps"] = (offline["steps"], offline["forward_seconds"])  # priced, then dropped, by with_bound
     return row, offline["outputs"]
 
 
-def int8_kv_row(model: GPT2Model, requests, weights: GPT2Model | None = None) -> tuple[dict, list]:
+def int8_kv_row(model: GPT2Model, requests, weights: GPT2Model | None = None, **extra) -> tuple[dict, list]:
     """Chapter 6's int8 K/V in chapter 5's engine, fp32 weights: ``prefix_cached`` with its blocks kept by
     ``Int8Codec`` (D int8 values and a float32 scale a head: what a decoding query reads per key)."""
     codec = Int8Codec()
     return batched_row(model, "int8_kv", requests, weights=weights, kv_format=codec.name,
-                       kv_bytes_per_position=codec.bytes_per_token(model.config))
+                       kv_bytes_per_position=codec.bytes_per_token(model.config), **extra)
 
 
 def quant_model(config: GPT2Config, kernel: str, base: GPT2Model | None = None) -> GPT2Model:
@@ -301,7 +458,7 @@ def quant_row(config: GPT2Config, kernel: str, requests, base: GPT2Model | None 
     serve_engine(model, "paged", requests[:2], arrivals=False, max_num_seqs=2)  # warm-up (numba compiles here)
     method = QUANT_FORMAT if kernel == "numpy" else f"{QUANT_FORMAT}_numba"
     how = "dequantize, then BLAS" if kernel == "numpy" else "the numba kernel reads the int8 bytes"
-    return batched_row(model, method, requests, engine="paged", kernel=kernel,
+    return batched_row(model, method, requests, engine="paged", price_steps=False, kernel=kernel,
                        kernels=f"chapter code; int8 weights ({how}); float32 K/V in chapter 4's paged store")
 
 
@@ -332,6 +489,206 @@ def composed_quant_row(config: GPT2Config, paged: dict, requests, base: GPT2Mode
                      "NumPy's path adds to a step (dequantizing every weight); ITL likewise; TTFT on the "
                      "arrivals not composed (the server falls behind them)",
             "kernels": "chapter code; int8 weights (dequantize, then BLAS); float32 K/V in chapter 4's paged store"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Speculative decoding (chapter 10) on the same workload: speed on GPT-2 124M's shape, acceptance from a trained
+# model. Random weights predict noise, so no drafter's acceptance on them means anything; the embedded model is
+# trained, and its prompt lookup's outcomes step by step are replayed into the engine that runs the workload.
+
+
+class PassLog(SpecStats):
+    """``SpecStats`` that also keeps each verify pass's (drafts, accepted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.passes: list[tuple[int, int]] = []
+
+    def record(self, num_drafts: int, num_accepted: int, num_emitted: int) -> None:
+        super().record(num_drafts, num_accepted, num_emitted)
+        self.passes.append((num_drafts, num_accepted))
+
+
+class LoggingDrafter:
+    """A drafter, wrapped: each request's (k asked for, tokens proposed), in order."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
+
+    def propose(self, requests):
+        proposals = self.inner.propose(requests)
+        self.asked += [(r.k, len(p.tokens)) for r, p in zip(requests, proposals)]
+        return proposals
+
+    def retain(self, keys) -> None:
+        self.inner.retain(keys)
+
+
+def embedded_outcomes(quick: bool, k: int = SPEC_K) -> dict:
+    """The trained embedded model's prompt lookup (k tokens) on chapter 10's two workloads, greedy, one sequence
+    at a time: ``free_text`` (novel openings: little to copy) and ``copy_task`` (a held-out passage, then its first
+    words again: an editing-like task). Per workload: each full-k step's outcome (proposed, accepted), (0, 0) when
+    the lookup found nothing, with alpha and tokens per pass as chapter 10 counts them."""
+    model, out = load_model(), {}
+    for name, prompts in embedded_workloads(model, quick).items():
+        log, drafter = PassLog(), LoggingDrafter(PromptLookupDrafter())
+        for p in prompts:
+            speculative.generate(model, p, 16 if quick else 60, stop_at_eos=False, drafter=drafter, k=k, stats=log)
+        passes, outcomes = iter(log.passes), []
+        for asked, proposed in drafter.asked:
+            got = next(passes) if proposed else (0, 0)  # each non-empty proposal was verified, in order
+            if asked == k:
+                outcomes.append(got)
+        out[name] = {"outcomes": outcomes, "alpha": log.alpha, "tokens_per_pass": log.tokens_per_pass,
+                     "proposal_rate": sum(d > 0 for d, _ in outcomes) / len(outcomes) if outcomes else 0.0}
+    return out
+
+
+class ReplayDrafter:
+    """For each sequence and step, one of ``outcomes`` [(proposed, accepted)] drawn at random (seeded): the first
+    ``accepted`` tokens of the target's own greedy continuation (``references``: prompt and output of each
+    request), then wrong tokens up to ``proposed`` (nothing when it is 0). The engine that verifies them does
+    exactly the work a drafter with that acceptance causes; greedy output is unchanged."""
+
+    def __init__(self, references, outcomes, vocab_size: int, seed: int = 0):
+        if not outcomes:
+            raise ValueError("ReplayDrafter needs at least one (proposed, accepted) outcome")
+        self.references = [list(map(int, r)) for r in references]
+        self.outcomes, self.vocab_size = list(outcomes), int(vocab_size)
+        self.rng, self.reference_of = np.random.default_rng(seed), {}
+
+    def propose(self, requests) -> list[Proposal]:
+        return [Proposal(self.guess(r)) for r in requests]
+
+    def guess(self, r) -> list[int]:
+        n, ids = len(r.token_ids), list(r.token_ids)
+        if r.key not in self.reference_of:
+            self.reference_of[r.key] = next((x for x in self.references if x[:n] == ids), None)
+        ref = self.reference_of[r.key]
+        if ref is None:
+            return []
+        proposed, accepted = self.outcomes[int(self.rng.integers(len(self.outcomes)))]
+        right = ref[n:n + min(proposed, r.k)]
+        return right[:accepted] + [(t + 1) % self.vocab_size for t in right[accepted:]]
+
+    def retain(self, keys) -> None:
+        keep = set(keys)
+        self.reference_of = {k: v for k, v in self.reference_of.items() if k in keep}
+
+
+def spec_row(model: GPT2Model, requests, base_row: dict, base_outputs, workload: str, measured: dict,
+             weights: GPT2Model | None = None) -> dict:
+    """Chapter 10's ``SpeculativeEngine`` (chapter 5's engine, k = ``SPEC_K``) serving ``requests`` offline,
+    drafting with ``ReplayDrafter`` at the trained model's outcomes on ``workload`` (``embedded_outcomes``); its
+    speed-up over ``base_row`` (``prefix_cached``, the engine it extends) and whether its tokens equal
+    ``base_outputs``. Its work is counted from the passes it ran (the rejected drafts' FLOPs included)."""
+    refs = {o.request_id: list(o.prompt_token_ids) + list(o.output_token_ids) for o in base_outputs}
+    drafter = ReplayDrafter([refs[r.request_id] for r in requests], measured["outcomes"], model.config.vocab_size)
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests) + SPEC_K + 1
+    store = SpeculativeKVStore(model.config, MAX_BATCH * blocks_needed(longest, BLOCK_SIZE), BLOCK_SIZE)
+    engine = SpeculativeEngine(model, drafter, SPEC_K, store, max_num_seqs=MAX_BATCH,
+                               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    offline = run_engine(engine, requests, arrivals=False)
+    passes = [chunk for step in offline["steps"] for chunk in step]
+    stats = engine.spec_stats
+    row = record(f"spec_ngram_{'copy' if workload == 'copy_task' else 'free'}", model, offline, dict(NO_LATENCY),
+                 passes, weights, batch=MAX_BATCH, kv_bytes_allocated=int(offline["kv_bytes_allocated"]),
+                 speculative={"k": SPEC_K, "drafter": "prompt lookup (n-grams of 3 down to 1)",
+                              "acceptance_from": f"the embedded trained model's prompt lookup on chapter 10's "
+                                                 f"{workload.replace('_', ' ')}: each step of each sequence "
+                                                 f"replays one of its {len(measured['outcomes'])} measured "
+                                                 f"(proposed, accepted) outcomes",
+                              "embedded_alpha": measured["alpha"], "embedded_tokens_per_pass":
+                                  measured["tokens_per_pass"], "embedded_proposal_rate": measured["proposal_rate"],
+                              "alpha": stats.alpha, "tokens_per_pass": stats.tokens_per_pass,
+                              "identical_to_plain": {o.request_id: o.output_token_ids for o in offline["outputs"]}
+                                                    == {o.request_id: o.output_token_ids for o in base_outputs}},
+                 latency_basis="offline throughput only (speed: this engine on GPT-2 124M's shape; acceptance: "
+                               "the trained embedded model's, replayed)")
+    row["speculative"]["speedup_over_" + base_row["method"]] = row["tokens_per_s"] / base_row["tokens_per_s"]
+    row["_steps"] = (offline["steps"], offline["forward_seconds"])
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The served engine (chapter 7) and the parallel arm (chapter 8) on the same workload
+
+
+def tp2_row(base: GPT2Model, requests) -> dict:
+    """Chapter 8's tensor parallelism inside chapter 5's engine: each step on two worker processes of 1 BLAS thread
+    (the chapter code; ``TensorParallelRunner``), offline, after two untimed warm-up requests on other prompts."""
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+    store = PrefixCachingKVStore(base.config, MAX_BATCH * blocks_needed(longest, BLOCK_SIZE) + 8, BLOCK_SIZE)
+
+    def engine(forward):
+        return CachingLLMEngine(base, store, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                                forward=forward)
+    with TensorParallelRunner(base, store, max_rows=MAX_NUM_BATCHED_TOKENS, max_seqs=MAX_BATCH) as tp:
+        engine(tp).generate_many([Request(f"warm-{i}", wl.random_prompt(base.config.vocab_size, 16, 9_000 + i), 4,
+                                          stop_at_eos=False) for i in range(2)])
+        offline = run_engine(engine(tp), requests, arrivals=False)
+    row = record("tp2", base, offline, dict(NO_LATENCY), workload_passes("prefix_cached", lengths_of(requests)),
+                 base, batch=MAX_BATCH, kv_bytes_allocated=int(offline["kv_bytes_allocated"]), processes=3,
+                 blas_threads_per_process=1,
+                 latency_basis="offline throughput only: prefix_cached's engine, its model step split over two "
+                               "worker processes (heads and MLP columns; two all-reduces a layer)")
+    row["_steps"] = (offline["steps"], offline["forward_seconds"])
+    return row
+
+
+async def send_all(base_url: str, requests, vocab_size: int) -> tuple[list[dict], float]:
+    """Two untimed warm-up requests, then every request of the workload at once, streamed: the server at capacity
+    (more requests than it runs at a time). -> the client's records, in request order, and the seconds taken."""
+    client = Client(base_url, "gpt2-random", 16)
+    try:
+        for i in range(2):
+            await client.complete(wl.random_prompt(vocab_size, 16, 9_100 + i), 1, 4)
+        t0 = time.perf_counter()
+        records = await asyncio.gather(*(client.complete(list(r.prompt_token_ids), 1, r.max_new_tokens)
+                                         for r in requests))
+        return list(records), time.perf_counter() - t0
+    finally:
+        await client.http.aclose()
+
+
+def served_row(base: GPT2Model, requests, threads: int) -> tuple[dict | None, str]:
+    """Chapter 7's server (``python -m gpt2_core serve``: chapter 5's engine with the priority scheduler behind
+    HTTP, the appendix's kernels, ``threads`` BLAS threads) on these random weights, loaded with every request at
+    once (``send_all``); throughput and latencies as its client sees them. Or (None, why not)."""
+    from ..ch07_serving.launch import start_servers
+
+    missing = missing_extra()
+    if missing is not None:
+        return None, f"no served row: {missing}"
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+    with tempfile.TemporaryDirectory(prefix="gpt2_capstone_") as tmp:
+        args = ["--model", str(write_random_checkpoint(base, Path(tmp))), "--served-model-name", "gpt2-random",
+                "--max-num-seqs", str(MAX_BATCH), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+                "--num-blocks", str(MAX_BATCH * blocks_needed(longest, BLOCK_SIZE) + 8)]
+        server = start_servers(1, *args, threads=threads)[0]
+        try:
+            records, seconds = run_async(send_all(server.base_url, requests, base.config.vocab_size))
+        finally:
+            server.stop()
+    return served_record(base, requests, records, seconds), f"served: {threads} BLAS threads, at capacity"
+
+
+def served_record(base: GPT2Model, requests, records: list[dict], seconds: float) -> dict:
+    """The served row from the client's records: each request's tokens as the server reported them (it stops at
+    eos, which random weights rarely choose), the work of exactly those tokens, p50 TTFT and ITL."""
+    ok = [rec.get("complete", False) and rec["status"] == 200 for rec in records]
+    lengths = [(len(r.prompt_token_ids), rec["tokens"]) for r, rec in zip(requests, records)]
+    tokens = sum(n for _, n in lengths)
+    steps = max(n for _, n in lengths)  # at least one model step per token of the longest request
+    work = count_work(base.config, workload_passes("prefix_cached", lengths), steps, bytes_per_token(base))
+    lat = latency_fields([rec["ttft_s"] for rec in records if rec["ttft_s"] is not None],
+                         [g for rec in records for g in rec["itl_s"]])
+    return {"method": "served", "batch": MAX_BATCH, "tokens_per_s": tokens / seconds, **lat, "kv_bytes_peak": None,
+            "weight_bytes": int(base.nbytes()), "output_tokens": tokens, "seconds": seconds, **work,
+            "completed": sum(ok), "num_requests": len(records), "kernels": ACCELERATED + " (the server's default)",
+            "latency_basis": "the client's clock, every request sent at t=0 (the offline load), streamed over HTTP",
+            "basis": "model_steps is a lower bound (the longest request's tokens): the server's own step count is "
+                     "not read, so the bytes bound is a lower bound too"}
 
 
 def numba_worker(conn, config, requests, threads) -> None:
@@ -456,78 +813,197 @@ def capstone_shape(quick: bool) -> GPT2Config:
     return replace(preset("gpt2"), n_layer=2) if quick or GRADING else preset("gpt2")
 
 
-def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Config | None = None,
-                   sweep_points=None, include_optional: bool = True) -> dict:
-    t_start = time.perf_counter()
-    config = capstone_shape(quick) if config is None else config
-    base = random_model(config, seed=0)
-    model = accelerate(base)  # the appendix's kernels under the chapters' code, as every benchmark
-    threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
+def capstone_requests(config: GPT2Config, trace: str | None, quick: bool, tokenizer) -> tuple[list[Request], str]:
+    """The run's workload and its name: ``trace`` if given, else the quick or the standard workload; eos ignored,
+    so that every engine makes every token."""
     if trace is not None:
-        requests, name = wl.load_trace(trace, config.vocab_size, tokenizer=model.tokenizer), str(trace)
+        requests, name = wl.load_trace(trace, config.vocab_size, tokenizer=tokenizer), str(trace)
     elif quick:
         requests, name = quick_capstone_workload(config.vocab_size), "quick_capstone_workload(): 6 requests at 8/s"
     else:
         requests, name = wl.standard_workload(vocab_size=config.vocab_size), "standard_workload(48, seed=0, 4/s)"
-    requests = [replace(r, stop_at_eos=False) for r in requests]  # eos ignored: every engine makes every token
-    numba_units = progress.if_installed(8, "numba")
-    hf_units = progress.if_installed(15, "torch", "transformers") if include_optional else 0
-    progress.plan(80 + numba_units + hf_units, "warming up; the GEMM rate and bandwidth")  # units: rough shares
-    warm_up(model)
-    readings = [measure_limits(model)]
-    rows, skipped = [], []
-    progress.advance(5, "naive: the whole sequence recomputed each token")
-    rows.append(naive_row(model, requests, 4 if quick else NAIVE_STRIDE, base)[0])
-    progress.advance(20, "KV cache, one request at a time")
-    rows.append(kv_cache_row(model, requests, base)[0])
-    progress.advance(10, "static batches")
+    return [replace(r, stop_at_eos=False) for r in requests], name
+
+
+def fp32_rows(model: GPT2Model, base: GPT2Model, requests, quick: bool, kernels: str, arrivals: bool = True,
+              share: float = 1.0) -> tuple[list[dict], dict]:
+    """The float32 rows on ``model`` (``base``: the plain model whose bytes a step reads): naive, kv_cache,
+    static, continuous, paged, prefix_cached, int8_kv, each labelled with its ``kernels``. The batched rows'
+    latencies are replayed on the arrivals only if ``arrivals`` (naive's and kv_cache's come free from their
+    offline runs). ``share``: this pass's part of the progress plan. -> (rows, each row's offline outputs)."""
+    rows, outputs = [], {}
+    progress.advance(5 * share, "naive: the whole sequence recomputed each token")
+    row, outputs["naive"] = naive_row(model, requests, 4 if quick else NAIVE_STRIDE, base)
+    rows.append(row)
+    progress.advance(20 * share, "KV cache, one request at a time")
+    row, outputs["kv_cache"] = kv_cache_row(model, requests, base)
+    rows.append(row)
+    progress.advance(10 * share, "static batches")
     for method, units in (("static", 10), ("continuous", 3), ("paged", 3), ("prefix_cached", 4)):
-        rows.append(batched_row(model, method, requests, weights=base)[0])
-        progress.advance(units, f"the batched engines: {method} done")
-    rows.append(int8_kv_row(model, requests, base)[0])
-    progress.advance(0, "int8 weights")
-    readings.append(measure_limits(model))
+        row, outputs[method] = batched_row(model, method, requests, weights=base, arrivals=arrivals)
+        rows.append(row)
+        progress.advance(units * share, f"the batched engines: {method} done")
+    row, outputs["int8_kv"] = int8_kv_row(model, requests, base, arrivals=arrivals)
+    rows.append(row)
+    return [{**r, "kernels": kernels} for r in rows], outputs
+
+
+def int8_rows(config: GPT2Config, rows: list[dict], requests, threads: int, quick: bool, skipped: list) -> list:
+    """``int8`` (NumPy's path: end to end in quick runs, composed from the paged row in full ones) and
+    ``int8_numba`` (its own process; skipped with a note without numba)."""
     paged = next(r for r in rows if r["method"] == "paged")
-    rows.append(quant_row(config, "numpy", requests)[0] if quick else composed_quant_row(config, paged, requests))
-    progress.advance(5, "int8 with the numba kernel" if numba_units else None)
+    out = [quant_row(config, "numpy", requests)[0] if quick else composed_quant_row(config, paged, requests)]
+    progress.advance(5, "int8 with the numba kernel")
     got, _, note = numba_row(config, requests, threads)
-    progress.advance(numba_units, "the span from naive to the final engine, by length")
-    (rows.append(got) if got is not None else skipped.append({"method": f"{QUANT_FORMAT}_numba", "reason": note}))
+    (out.append(got) if got is not None else skipped.append({"method": f"{QUANT_FORMAT}_numba", "reason": note}))
+    return out
+
+
+def spec_rows(model: GPT2Model, base: GPT2Model, requests, rows: list[dict], outputs: dict,
+              quick: bool) -> tuple[list[dict], dict]:
+    """The speculative rows (``spec_row``) at the trained model's prompt-lookup outcomes on free text and on the
+    copy task (``embedded_outcomes``), against ``prefix_cached``; and what was measured on the trained model."""
+    measured = embedded_outcomes(quick)
+    prefix = next(r for r in rows if r["method"] == "prefix_cached")
+    got = [{**spec_row(model, requests, prefix, outputs["prefix_cached"], w, measured[w], base),
+            "kernels": ACCELERATED} for w in ("free_text", "copy_task")]
+    return got, {w: {**{k: v for k, v in m.items() if k != "outcomes"}, "steps_recorded": len(m["outcomes"])}
+                 for w, m in measured.items()}
+
+
+def step_anatomy(model: GPT2Model, rates: dict, requests, batch: int = MAX_BATCH, repeats: int = 5) -> dict:
+    """Where a decode step's time goes beyond its matmuls, measured now: one ragged decode step of ``batch``
+    sequences (chapter 3's step over its contiguous store) with the workload's mean context cached, the same with
+    1 token cached (attention all but gone), and its matmuls alone at the rates measured for ``batch`` rows
+    (``step_seconds``, bytes not counted). attention_s and rest_s (layer norms, GELU, residuals, the step's Python,
+    the matmuls slower inside a step than alone) are the differences."""
+    context = int(np.mean([len(r.prompt_token_ids) + r.max_new_tokens / 2 for r in requests]))
+    context = max(2, min(context, model.config.n_positions - 1))
+    full = median_time(decode_step_runner(model, batch, context), repeats=repeats)
+    short = median_time(decode_step_runner(model, batch, 1), repeats=repeats)
+    matmuls, _ = step_seconds(model.config, [(1, 1, 1)] * batch, 0, rates, float("inf"))
+    return {"batch": batch, "context": context, "step_s": full, "short_context_step_s": short,
+            "matmul_s": matmuls, "attention_s": full - short, "rest_s": short - matmuls}
+
+
+def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Config | None = None,
+                   sweep_points=None, include_optional: bool = True, include_chapter_code: bool = True,
+                   include_speculative: bool = True, include_serving: bool = True) -> dict:
+    """The whole run (see the module's docstring); ``include_*`` switch parts off (tests): HF transformers, the
+    chapter code's run, the speculative rows, the served and tensor-parallel rows."""
+    t_start = time.perf_counter()
+    config = capstone_shape(quick) if config is None else config
+    base = random_model(config, seed=0)
+    model = accelerate(base)  # the appendix's kernels under the chapters' code; the chapter code's own run follows
+    requests, name = capstone_requests(config, trace, quick, model.tokenizer)
+    parts = {"optional": include_optional, "chapter_code": include_chapter_code,
+             "speculative": include_speculative, "serving": include_serving,
+             "numba_units": progress.if_installed(8, "numba"),
+             "hf_units": progress.if_installed(15, "torch", "transformers") if include_optional else 0}
+    progress.plan(80 + 40 * include_chapter_code + 6 * include_speculative + 9 * include_serving +
+                  parts["numba_units"] + parts["hf_units"], "warming up; the GEMM rates and the bandwidth")
+    warm_up(model)
+    machine = MachineReadings(model, base if include_chapter_code else None, QUICK_RATE_ROWS if quick else RATE_ROWS)
+    machine.read()
+    out = measure_rows(model, base, requests, quick, machine, sweep_points, parts)
+    limits, fast_rates, plain_rates = machine.medians()
+    out["rows"] = [with_bound(r, limits, fast_rates, config) for r in out["rows"]]
+    out["rows"].append(compute_bound_row(config, requests, limits))
+    out["chapter"] = [with_bound(r, limits, plain_rates, config) for r in out["chapter"]]
+    out["anatomy"] = {"accelerated": step_anatomy(model, fast_rates, requests)}
+    if plain_rates is not None:
+        out["anatomy"]["chapter_code"] = step_anatomy(base, plain_rates, requests)
+    return summarize_run(out, machine, {"accelerated": fast_rates, "chapter_code": plain_rates}, requests, name,
+                         quick, config, time.perf_counter() - t_start)
+
+
+def measure_rows(model, base, requests, quick: bool, machine: MachineReadings, sweep_points, parts: dict) -> dict:
+    """Every row of the run, in the order measured, the machine read between the parts (``bench_capstone``)."""
+    threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
+    rows, outputs = fp32_rows(model, base, requests, quick, ACCELERATED)
+    machine.read()
+    skipped, spec, chapter = [], None, []
+    rows += int8_rows(model.config, rows, requests, threads, quick, skipped)
+    progress.advance(parts["numba_units"], "speculative decoding (chapter 10)")
+    if parts["speculative"]:
+        got, spec = spec_rows(model, base, requests, rows, outputs, quick)
+        rows += got
+    progress.advance(6 * parts["speculative"], "the served engine (chapter 7)")
+    if parts["serving"]:
+        got, note = served_row(base, requests, threads)
+        (rows.append(got) if got is not None else skipped.append({"method": "served", "reason": note}))
+    progress.advance(5 * parts["serving"], "the chapter code's run (no appendix kernels)")
+    if parts["chapter_code"]:
+        warm_up(base)
+        chapter = fp32_rows(base, base, requests, quick, CHAPTER_CODE, arrivals=False, share=0.6)[0]
+        if parts["serving"]:
+            chapter.append({**tp2_row(base, requests), "kernels": CHAPTER_CODE})
+        machine.read()
+    progress.advance(7 * parts["chapter_code"] + 4 * parts["serving"], "the naive -> final span, by length")
     points = sweep_points or ([(16, 16), (32, 32), (64, 64)] if quick else
                               [(32, 32), (64, 64), (128, 128), (256, 256), (512, 512)])
     span_sweep = sweep(model, points, 4 if quick else 8, 4 if quick else 8)
-    progress.advance(15, "HF transformers" if hf_units else None)
-    readings.append(measure_limits(model))
-    if include_optional:
+    progress.advance(15, "HF transformers" if parts["hf_units"] else None)
+    machine.read()
+    if parts["optional"]:
         got, note = hf_row(model, requests, threads, base, arrivals=quick)
         (rows.append(got) if got is not None else skipped.append({"method": "hf_transformers", "reason": note}))
     skipped.append({"method": "llamacpp", "reason": llamacpp_note()})
-    limits = median_limits(readings)
-    rows = [with_bound(r, limits) for r in rows] + [compute_bound_row(config, requests, limits)]
-    return summarize_run(rows, skipped, span_sweep, limits, readings, requests, name, quick, config,
-                         time.perf_counter() - t_start)
+    return {"rows": rows, "chapter": chapter, "skipped": skipped, "sweep": span_sweep, "speculative": spec}
 
 
-def summarize_run(rows, skipped, span_sweep, limits, readings, requests, name, quick, config, seconds) -> dict:
+def final_of(rows: list[dict]) -> str:
+    """The fastest float32 serving engine of ``rows`` (continuous, paged or prefix_cached): the series' final."""
     by = {r["method"]: r for r in rows}
-    fp32_serving = [m for m in ("continuous", "paged", "prefix_cached") if m in by]
-    final = max(fp32_serving, key=lambda m: by[m]["tokens_per_s"])
+    return max((m for m in ("continuous", "paged", "prefix_cached") if m in by), key=lambda m: by[m]["tokens_per_s"])
+
+
+def chapter_code_summary(chapter: list[dict], rows: list[dict]) -> dict | None:
+    """The chapter code's run: its final engine, each engine's speed with the appendix's kernels over its speed
+    without (the same engine, the same workload, the same run), and tensor parallelism over one process."""
+    if not chapter:
+        return None
+    fast, own = {r["method"]: r for r in rows}, {r["method"]: r for r in chapter}
+    final = final_of(chapter)
+    ratios = {f"{m}_accelerated_over_chapter_code": fast[m]["tokens_per_s"] / r["tokens_per_s"]
+              for m, r in own.items() if m in fast}
+    if "tp2" in own:
+        ratios["tp2_over_prefix_cached"] = own["tp2"]["tokens_per_s"] / own["prefix_cached"]["tokens_per_s"]
+    return {"kernels": CHAPTER_CODE, "results": chapter, "final_method": final, "ratios": ratios,
+            "final_fraction_of_step_bound": own[final].get("fraction_of_step_bound")}
+
+
+def summarize_run(out: dict, machine: MachineReadings, rates: dict, requests, name, quick, config, seconds) -> dict:
+    rows = out["rows"]
+    by = {r["method"]: r for r in rows}
+    final = final_of(rows)
     naive = by["naive"]["tokens_per_s"]
     ratios = {f"{m}_over_naive": by[m]["tokens_per_s"] / naive for m in by if m not in ("naive", "compute_bound")}
     ratios["final_fraction_of_compute_bound"] = by[final]["tokens_per_s"] / by["compute_bound"]["tokens_per_s"]
-    first_100 = shortest_span_over(span_sweep)
+    ratios["final_fraction_of_step_bound"] = by[final]["fraction_of_step_bound"]
+    ratios["final_step_bound_over_compute_bound"] = (by[final]["step_bound_tokens_per_s"] /
+                                                     by["compute_bound"]["tokens_per_s"])
+    first_100 = shortest_span_over(out["sweep"])
     targets = {"final >= 0.8 x compute_bound": ratios["final_fraction_of_compute_bound"] >= 0.8,
+               "final >= 0.8 x per-step bound": ratios["final_fraction_of_step_bound"] >= 0.8,
                "sweep reaches 100x naive": first_100 is not None}
     shape = "GPT-2 124M shape" if config.n_layer == 12 else f"GPT-2 124M widths, {config.n_layer} layers"
+    limits = median_limits(machine.limits)
     return {"benchmark": "capstone", "model": f"random weights, {shape}, float32", "quick": quick,
-            "kernels": "cpu_kernels.accelerate (fp32 rows); chapter code + quantization kernels (int8 rows)",
+            "kernels": "cpu_kernels.accelerate (fp32 rows: results); the chapter code without it (fp32 rows: "
+                       "chapter_code); chapter code + quantization kernels (int8 rows)",
             "duration_s": seconds, "workload": {"name": name, "num_requests": len(requests),
                                                 "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
                                                 "output_tokens": sum(r.max_new_tokens for r in requests),
                                                 "last_arrival_s": max(r.arrival_s for r in requests)},
-            "limits": limits, "limits_readings": readings, "final_method": final, "results": rows,
-            "skipped": skipped, "ratios": ratios, "targets_met": targets, "sweep": span_sweep,
+            "limits": limits, "limits_readings": machine.limits, "gemm_rates_by_rows": rates,
+            "final_method": final, "results": rows, "chapter_code": chapter_code_summary(out["chapter"], rows),
+            "speculative": out["speculative"], "step_anatomy": out["anatomy"],
+            "skipped": out["skipped"], "ratios": ratios, "targets_met": targets, "sweep": out["sweep"],
             "sweep_first_over_100x": first_100, "essay": [{"engine": e, "tokens_per_s": t} for e, t in ESSAY],
             "method_notes": {"throughput": "offline: every request submitted at t=0, eos ignored",
                              "latency": "the workload's arrivals on the wall clock",
-                             "bound": "max(FLOPs / GEMM rate, bytes / bandwidth), both measured in this run"}}
+                             "bound": "max(FLOPs / GEMM rate, bytes / bandwidth), both measured in this run",
+                             "step_bound": "each step the engine ran at the GEMM rate measured for its own rows "
+                                           "(its kernels' rate curve, gemm_rates_by_rows), or its bytes at the "
+                                           "bandwidth if longer; summed over its steps"}}

@@ -29,7 +29,7 @@ BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": be
 # How long each takes on this project's machine (2 cores, nothing else running), in minutes: (full size, --quick).
 # The README's table of benchmarks shows the same figures (tests/test_cli.py checks that they agree).
 MINUTES = {"kv-cache": (3, 1), "layout": (1, 1), "batching": (8, 2), "paged": (9, 1), "prefix": (12, 1),
-           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (6, 1), "capstone": (10, 1),
+           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (6, 1), "capstone": (16, 2),
            "spec": (10, 3)}
 
 
@@ -146,6 +146,14 @@ def _print_capstone(out: dict) -> None:
           f"{r['bound_tokens_per_s']:9.1f} {r['bound_kind']:>6s} {ttft:>9s} {itl:>8s}\n")
     for s in out["skipped"]:
         w(f"  skipped {s['method']}: {s['reason']}\n")
+    for r in out["results"]:
+        if r.get("step_bound_tokens_per_s"):
+            w(f"  per-step bound {r['method']:16s} {r['step_bound_tokens_per_s']:9.1f} tok/s, reached "
+              f"{r['fraction_of_step_bound']:.0%} ({r['kernels']})\n")
+    chapter = out.get("chapter_code")
+    for r in (chapter or {}).get("results", []):
+        w(f"  chapter code {r['method']:16s} {r['tokens_per_s']:9.1f} tok/s, bound {r['bound_tokens_per_s']:9.1f}" +
+          (f", per-step bound {r['step_bound_tokens_per_s']:9.1f}" if r.get("step_bound_tokens_per_s") else "") + "\n")
     for p in out["sweep"]:
         w(f"  sweep {p['prompt_len']:4d} + {p['new_tokens']:4d}: final {p['final_tokens_per_s']:7.1f} tok/s, naive "
           f"{p['naive_tokens_per_s']:6.2f} tok/s, span {p['span']:6.1f}x\n")
