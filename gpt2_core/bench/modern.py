@@ -66,7 +66,8 @@ def load_arm_model(source) -> LlamaModel:
 
 def overhead_model(config: LlamaConfig) -> LlamaModel:
     """The same depth and the same calls, every matrix 64 wide: its step is the overhead of ``config``'s."""
-    return random_llama(replace(config, n_embd=64, n_head=2, n_kv_head=1, intermediate_size=64, vocab_size=64))
+    return random_llama(replace(config, n_embd=64, n_head=2, n_kv_head=1, intermediate_size=64, vocab_size=64,
+                                bos_token_id=None, eos_token_id=None))
 
 
 # -- one step of each kind, ours and llama.cpp's --------------------------------------------------------------------
