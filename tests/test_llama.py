@@ -143,6 +143,29 @@ def test_an_architecture_no_chapter_runs_is_refused():
         model_step(M(), None, [])
 
 
+def test_chapter_2s_loop_runs_a_llama_through_its_architecture():
+    """Chapter 9 has no generation loop of its own: chapter 2's finds the Llama forward by config.architecture,
+    and an architecture nobody registered is refused by name."""
+    from gpt2_core.ch02_kv_cache import kv_cache
+    from gpt2_core.ch09_modern_model import model as ch09
+
+    assert ch09.generate is kv_cache.generate and ch09.generate_stream is kv_cache.generate_stream
+    ids = [5, 17, 256, 99]
+    logits, cache = kv_cache.prefill(MODEL, ids, capacity=8)
+    np.testing.assert_allclose(logits, forward(MODEL, ids), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kv_cache.decode_step(MODEL, 7, cache), forward(MODEL, ids + [7])[-1], rtol=1e-5,
+                               atol=1e-5)
+
+    class Other:
+        architecture = "mamba"
+
+    class M:
+        config = Other()
+
+    with pytest.raises(InvalidInputError, match="'mamba'"):
+        kv_cache.cached_forward(M())
+
+
 # -- memory ----------------------------------------------------------------------------------------------------------
 
 def test_kv_bytes_per_token_by_architecture():
@@ -263,3 +286,89 @@ def test_smollm2_tokenizer_equals_transformers_on_varied_text(smol):
     ends = np.cumsum(ref["tokenizer_lengths"])
     for text, a, b in zip(ref["tokenizer_texts"], ends - ref["tokenizer_lengths"], ends):
         assert smol.tokenizer.encode(str(text)) == ref["tokenizer_ids"][a:b].tolist(), str(text)
+
+
+# -- chapter 6's formats on this model, and the side by side with llama.cpp ----------------------------------------
+
+def test_chapter_6s_formats_run_a_llama():
+    """Every matrix (and with embeddings=True the tied embedding/head) in chapter 6's formats: chapter 9's forward
+    runs unchanged; fewer bytes; logits near fp32's; the numba kernel gives the numpy definition's numbers."""
+    from gpt2_core.ch06_quantization import quant_kernels
+    from gpt2_core.ch09_modern_model.quantized import quantize_llama
+
+    ids = [5, 17, 256, 99, 3]
+    ref = forward(MODEL, ids)
+    for fmt, tol in (("fp16", 1e-3), ("int8", 0.05), ("int4", 0.3)):  # of logits whose spread is about 2
+        q = quantize_llama(MODEL, fmt, group_size=16, embeddings=True)
+        assert q.nbytes() < MODEL.nbytes() and q.params["blk"][0]["ffn_up"].fmt == fmt
+        got = forward(q, ids)
+        assert got.dtype == np.float32 and np.abs(got - ref).max() < tol * np.ptp(ref)
+        if fmt != "fp16" and quant_kernels.numba_available():
+            fast = quantize_llama(MODEL, fmt, group_size=16, kernel="numba", embeddings=True)
+            np.testing.assert_allclose(forward(fast, ids), got, rtol=1e-4, atol=1e-4)
+    assert quantize_llama(MODEL, "fp32") is MODEL
+    with pytest.raises(InvalidInputError, match="group_size"):
+        quantize_llama(MODEL, "int4", group_size=32)  # 48 inputs: 32 does not divide them
+    with pytest.raises(InvalidInputError, match="LlamaModel"):
+        quantize_llama(load_model(), "int4")
+
+
+SIDE_BY_SIDE = replace(TINY_LLAMA, n_embd=64, n_head=4, n_kv_head=2, intermediate_size=96, n_positions=128)
+
+
+def test_side_by_side_without_llama_cpp_says_why(monkeypatch):
+    """The comparison in quick mode with llama-cpp-python absent: fp32 and (with numba) int4 rows for decode and
+    prefill, paired ratios, and a note that names the missing package and how to install it. No timing asserted."""
+    from gpt2_core.bench import modern
+    from gpt2_core.ch06_quantization import quant_kernels
+
+    monkeypatch.setattr(modern, "llama_cpp_available", lambda: False)
+    result = modern.side_by_side(quick=True, config=SIDE_BY_SIDE)
+    assert "llama-cpp-python is not installed" in result["skipped"]["llama.cpp"]
+    assert modern.LLAMA_CPP_INSTALL in result["skipped"]["llama.cpp"]
+    arms = {"fp32", "int4"} if quant_kernels.numba_available() else {"fp32"}
+    assert {(r["arm"], r["phase"]) for r in result["records"]} == {(a, p) for a in arms for p in ("decode", "prefill")}
+    assert all(len(r["ms_rounds"]) == result["rounds"] and r["tokens_per_s"] > 0 for r in result["records"])
+    assert result["ratios"]["llamacpp_over_fp32_decode"] is None
+    assert (result["ratios"]["int4_over_fp32_decode"] is not None) == ("int4" in arms)
+    assert result["weight_bytes"]["fp32"] > result["weight_bytes"].get("int4", 0)
+    lines = "\n".join(modern.summary_lines(result))
+    assert "llama.cpp: no row (llama-cpp-python is not installed" in lines
+
+
+def test_side_by_side_refuses_a_model_without_its_file():
+    from gpt2_core.bench import modern
+
+    with pytest.raises(InvalidInputError, match="GGUF file"):
+        modern.side_by_side(quick=True, model=MODEL)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_model():
+    pytest.importorskip("llama_cpp")
+    from gpt2_core.bench import modern
+
+    return modern.open_llama_cpp(smollm2_or_skip(), n_ctx=128, threads=1)
+
+
+def test_llama_cpp_reads_the_file_as_we_do(smol, llama_cpp_model):
+    """llama.cpp on the same file (its own Q4_1/Q8_0 kernels) against ours (the blocks dequantized to float32):
+    the same tokenization, and the same greedy tokens for the first 8 steps of a chat reply.
+
+    Tolerance on the logits: llama.cpp's CPU matmuls round each activation row to 8 bits (Q8_1/Q8_0 blocks) before
+    the dot products with the 4- and 8-bit weights, where ours multiply in float32, so its logits differ from ours
+    by far more than float rounding (1e-3 against transformers). The bound, 1.0 on logits of size ~20, comes
+    from that reasoning, not yet from a run (llama-cpp-python was not installed where this was written); the test
+    also asks that both pick the same token, which holds while the top two logits are further apart than that."""
+    from gpt2_core.bench import modern
+
+    tok = smol.tokenizer
+    text = apply_chat_template(tok.chat_template, [{"role": "user", "content": "What is the capital of France?"}],
+                               **tok.special_tokens)
+    ids = tok.encode(text)
+    assert llama_cpp_model.tokenize(text.encode(), add_bos=False, special=True) == ids
+    theirs, their_logits = modern.llama_cpp_greedy(llama_cpp_model, ids, 8)
+    ours = generate(smol, ids, 8, stop_at_eos=False)
+    assert theirs == ours
+    our_logits = forward(smol, ids + ours[:-1])[len(ids) - 1:]  # the logits each of our 8 tokens was picked from
+    assert np.abs(their_logits - our_logits).max() < 1.0

@@ -7,7 +7,7 @@ Three questions, each answered by measurement:
   in the format (the tied head too), by two kernels: ``numpy`` (dequantize, then BLAS: the definition) and
   ``numba`` (``quant_kernels``: the small weights read directly). numba's worker threads slow OpenBLAS in the
   process they live in, so the numba arms run in a **separate worker process**, and the two processes take turns
-  by round (the order reversed every other round, a pause of ``SETTLE_S`` between turns): the fp32 and numpy arms
+  by round (``turns``: the order reversed every other round, a pause between turns): the fp32 and numpy arms
   never share their process or their turn with a numba thread. numba's compile time is measured in the worker
   before any round and kept out of the timings.
 * **quality** (the embedded model, a text it never trained on): perplexity on the held-out chapters for every
@@ -26,7 +26,6 @@ windows of the held-out text, 8 requests, 2 rounds.
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
 import time
 from dataclasses import replace
 
@@ -43,8 +42,8 @@ from ..ch06_quantization.quantization import bytes_per_token, greedy_agreement, 
 from ..ch03_batching.sequence import Request
 from ..loading.weights import GPT2Model, load_model, random_model
 from .batching import decode_step_runner
-from . import progress
-from .common import GRADING, QUICK, blas_info, blas_threads, median_time
+from . import progress, turns
+from .common import GRADING, QUICK, blas_info
 from .paged import fresh
 from .workload import poisson_workload, standard_workload, summarize
 
@@ -53,7 +52,6 @@ SPEED_ARMS = (("fp32", "numpy"), ("fp16", "numpy"), ("int8", "numpy"), ("int4", 
 BATCHES = (1, 32)
 CONTEXT = 128
 GROUP_SIZE = 64
-SETTLE_S = 0.3  # pause between the two processes' turns: the other's threads go idle before a clock starts
 GREEDY_PROMPT = "It is a truth universally acknowledged, that"
 GREEDY_TOKENS = 200
 KV_BUDGET_SLOTS = 4  # the KV budget: this many fp32 sequences of 512 tokens (GPT-2 124M: 151 MB)
@@ -78,22 +76,11 @@ def speed_runners(models: dict, batches=BATCHES, context: int = CONTEXT) -> dict
             for b in batches}
 
 
-def measure_round(runners: dict, r: int, repeats: int) -> dict:
-    """One reading of each runner (median of ``repeats`` steps after one warm-up), in order, reversed in odd rounds."""
-    names = list(runners) if r % 2 == 0 else list(runners)[::-1]
-    return {name: median_time(runners[name], repeats=repeats, warmup=1) for name in names}
-
-
-def numba_worker(conn, config, batches, context, repeats, threads) -> None:
-    """The numba arms, in their own process: build, compile (timed), then one round of readings per request."""
-    with blas_threads(threads):
-        compile_s = quant_kernels.warm_up()
-        runners = speed_runners(speed_models(config, [a for a in SPEED_ARMS if a[1] == "numba"]), batches, context)
-        for run in runners.values():  # the first step of each arm makes its buffers
-            run()
-        conn.send({"compile_s": compile_s, **quant_kernels.threading_info()})
-        while (r := conn.recv()) is not None:
-            conn.send(measure_round(runners, r, repeats))
+def numba_runners(config, batches, context):
+    """The numba arms, built and compiled (timed) in their worker process (``turns.TurnWorker``)."""
+    compile_s = quant_kernels.warm_up()
+    runners = speed_runners(speed_models(config, [a for a in SPEED_ARMS if a[1] == "numba"]), batches, context)
+    return runners, lambda: {"compile_s": compile_s, **quant_kernels.threading_info()}
 
 
 def speed(quick: bool, threads: int | None, config=None, units: float = 0.0) -> tuple[list[dict], dict]:
@@ -105,44 +92,22 @@ def speed(quick: bool, threads: int | None, config=None, units: float = 0.0) -> 
     runners = speed_runners(models)
     for run in runners.values():
         run()
-    readings: dict = {name: [] for name in runners}
-    method = {"rounds": rounds, "steps_per_reading": repeats, "context": CONTEXT, "settle_s": SETTLE_S,
+    method = {"rounds": rounds, "steps_per_reading": repeats, "context": CONTEXT, "settle_s": turns.SETTLE_S,
               "processes": "fp32 and numpy arms in the main process; numba arms in a spawned worker process; the "
                            "processes take turns by round (order reversed in odd rounds), each waiting on a pipe "
                            "while the other measures"}
-    worker = None
+    workers = []
     if quant_kernels.numba_available():
-        ctx = multiprocessing.get_context("spawn")
-        conn, child = ctx.Pipe()
-        worker = ctx.Process(target=numba_worker, args=(child, config, BATCHES, CONTEXT, repeats, threads),
-                             daemon=True)
-        worker.start()
-        child.close()  # the worker's end: if the worker dies, recv() here raises EOFError instead of waiting
-        method.update(conn.recv())
-        for key in [(f, k, b) for f, k in SPEED_ARMS if k == "numba" for b in BATCHES]:
-            readings[key] = []
+        workers.append(turns.TurnWorker(numba_runners, (config, BATCHES, CONTEXT), threads, repeats))
+        method.update(workers[0].info)
     else:
         method["numba"] = f"not installed: numba arms skipped ({quant_kernels.INSTALL})"
     try:
-        for r in range(rounds):
-            turns = ["main", "worker"] if r % 2 == 0 else ["worker", "main"]
-            for turn in turns:
-                if turn == "main":
-                    got = measure_round(runners, r, repeats)
-                elif worker is not None:
-                    conn.send(r)
-                    got = conn.recv()
-                else:
-                    continue
-                for name, seconds in got.items():
-                    readings[name].append(seconds)
-                time.sleep(SETTLE_S)
-            progress.advance(units / rounds)
+        readings = turns.take_turns(runners, workers, rounds, repeats,
+                                    after_round=lambda r: progress.advance(units / rounds))
     finally:
-        if worker is not None:
-            if worker.is_alive():
-                conn.send(None)
-            worker.join(timeout=60)
+        for worker in workers:
+            worker.close()
     records = []
     for (fmt, kernel, batch), seconds in readings.items():
         model = models[(fmt, "numpy")]  # the numba arms' weights are these, in the worker

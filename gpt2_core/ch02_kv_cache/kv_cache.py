@@ -87,6 +87,29 @@ def cached_transformer(model: GPT2Model, token_ids, cache: KVCache) -> np.ndarra
     return x
 
 
+def cached_logits(model: GPT2Model, token_ids, cache: KVCache, last_only: bool = False) -> np.ndarray:
+    """The new tokens through the model with ``cache``: the logits of each new position [T, V], or of the last
+    only [1, V] (all generation needs, and the LM head is the largest matrix)."""
+    x = cached_transformer(model, token_ids, cache)  # [T, E]
+    if last_only:
+        x = x[-1:]
+    return lm_head(model.params, x, model.config.layer_norm_epsilon)
+
+
+# The loop below reaches the model through one function, looked up by ``config.architecture`` as chapter 3's engine
+# looks up its model step: GPT-2's is the one above; a later chapter registers its own (chapter 9: Llama's).
+CACHED_FORWARDS: dict = {"gpt2": cached_logits}
+
+
+def cached_forward(model):
+    """The ``cached_logits`` of the model's architecture, or an ``InvalidInputError`` naming it."""
+    arch = getattr(model.config, "architecture", "gpt2")
+    if arch not in CACHED_FORWARDS:
+        raise InvalidInputError(f"no cached forward for architecture {arch!r} (known: {', '.join(CACHED_FORWARDS)}); "
+                                f"import the chapter that runs it")
+    return CACHED_FORWARDS[arch]
+
+
 def prefill(model: GPT2Model, token_ids, capacity: int | None = None,
             last_only: bool = False) -> tuple[np.ndarray, KVCache]:
     """Process the whole prompt in one pass; return its logits ([T, V], or [1, V] if ``last_only``) and the cache.
@@ -94,16 +117,12 @@ def prefill(model: GPT2Model, token_ids, capacity: int | None = None,
     ``capacity`` (default n_ctx) is how many tokens the cache can ever hold: prompt + tokens to generate.
     """
     cache = KVCache(model.config, capacity)
-    x = cached_transformer(model, token_ids, cache)  # [T, E]
-    if last_only:
-        x = x[-1:]  # generation only needs the next-token distribution
-    return lm_head(model.params, x, model.config.layer_norm_epsilon), cache
+    return cached_forward(model)(model, token_ids, cache, last_only), cache
 
 
 def decode_step(model: GPT2Model, token: int, cache: KVCache) -> np.ndarray:
     """Feed one token; its K/V join the cache; return the logits of the next token [V]."""
-    x = cached_transformer(model, [token], cache)  # [1, E]
-    return lm_head(model.params, x, model.config.layer_norm_epsilon)[0]  # [V]
+    return cached_forward(model)(model, [token], cache)[0]  # [V]
 
 
 def generate_stream(model: GPT2Model, token_ids, max_new_tokens: int, temperature: float = 0.0,

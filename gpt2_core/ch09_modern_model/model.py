@@ -20,15 +20,13 @@ Everything stays float32 (chapter 1's rule: a float64 constant would promote eve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import partial
 
 import numpy as np
 
-from ..ch01_forward.generation import check_generation, positions_needed
 from ..ch01_forward.model import attention, merge_heads, split_heads
-from ..ch01_forward.sampling import Sampler, SamplingParams
-from ..ch02_kv_cache.kv_cache import KVCache
+from ..ch02_kv_cache.kv_cache import CACHED_FORWARDS, KVCache
+from ..ch02_kv_cache.kv_cache import generate, generate_stream  # noqa: F401  chapter 2's loop runs this model (below)
 from ..ch03_batching.model_runner import MODEL_STEPS, Chunk
 from ..errors import CacheCapacityError, InvalidInputError
 from ..loading.llama import LlamaModel
@@ -137,28 +135,13 @@ def check_cache(cfg, cache: KVCache, num_new: int) -> None:
     cache.reserve(num_new)  # checked before anything is written: a failed call leaves the cache intact
 
 
-def generate_stream(model: LlamaModel, token_ids, max_new_tokens: int, temperature: float = 0.0,
-                    top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                    stop_at_eos: bool = True) -> Iterator[int]:
-    """Chapter 2's loop for this model: prefill the prompt into a ``KVCache``, then one token per step."""
-    sample = Sampler(SamplingParams(temperature, top_k, top_p, seed))
-    ids = check_generation(model, token_ids, max_new_tokens, stop_at_eos)
-    if max_new_tokens == 0:
-        return
-    eos = model.config.eos_token_id if stop_at_eos else None
-    cache = KVCache(model.config, capacity=positions_needed(len(ids), max_new_tokens))
-    x = transformer(model, ids, cache)[-1:]  # [1, E]: the prompt's last position predicts the first token
-    for step in range(max_new_tokens):
-        token = sample(lm_head(model.params, x, model.config.rms_norm_eps)[0])
-        yield token
-        if token == eos or step == max_new_tokens - 1:
-            return
-        x = transformer(model, [token], cache)  # [1, E]
+def cached_logits(model: LlamaModel, token_ids, cache: KVCache, last_only: bool = False) -> np.ndarray:
+    """Chapter 2's ``cached_logits`` for this architecture: the new tokens' logits [T, V] (or the last's, [1, V])."""
+    x = transformer(model, token_ids, cache)  # [T, E]
+    return lm_head(model.params, x[-1:] if last_only else x, model.config.rms_norm_eps)
 
 
-def generate(model: LlamaModel, token_ids, max_new_tokens: int, **sampling) -> list[int]:
-    """The new token ids (greedy by default), as chapters 1 and 2's ``generate``."""
-    return list(generate_stream(model, token_ids, max_new_tokens, **sampling))
+CACHED_FORWARDS["llama"] = cached_logits  # chapter 2's generate and generate_stream now run Llama models, unchanged
 
 
 # -- through the engine: chapter 3's ragged step for this architecture ---------------------------------------------

@@ -172,3 +172,18 @@ def sampling_defaults(generation_config: dict) -> dict:
     chosen = {name: given.get(name, default) for name, default in HF_SAMPLING_DEFAULTS.items()}
     temperature, top_k, top_p, _ = check_sampling(chosen["temperature"], chosen["top_k"], chosen["top_p"])
     return {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+
+
+def read_json_object(file: Path) -> dict:
+    """The JSON object in ``file``, an optional file of a checkpoint folder (``tokenizer_config.json``,
+    ``generation_config.json``): ``{}`` when the folder has none, a ``CheckpointError`` naming the file when it is
+    not a JSON object."""
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, *BAD_JSON) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(value).__name__}")
+    return value

@@ -3,14 +3,14 @@ chat template and special tokens of the folder it came from (``tokenizer_config.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import BAD_JSON, CheckpointError, InvalidInputError, is_integer
+from ..errors import CheckpointError, InvalidInputError, is_integer
+from .config import read_json_object
 
 EOT = "<|endoftext|>"
 
@@ -166,14 +166,8 @@ def read_chat_settings(directory: Path) -> tuple[str | None, dict]:
     ``chat_template.jinja`` if present (where transformers saves a template since 4.49), else ``chat_template`` in
     ``tokenizer_config.json`` (a string, or a list of named templates whose ``default`` is used); special tokens
     are strings or ``{"content": ...}`` objects there. (None, {}) for a folder without that file."""
-    file, config = directory / "tokenizer_config.json", {}
-    if file.is_file():
-        try:
-            config = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, *BAD_JSON) as e:
-            raise CheckpointError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
+    file = directory / "tokenizer_config.json"
+    config = read_json_object(file)
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),

@@ -24,7 +24,7 @@ import numpy as np
 
 from .config import PRESETS, GPT2Config, preset
 from ..errors import BAD_JSON, CheckpointError, InvalidInputError, is_integer
-from .config import sampling_defaults
+from .config import read_json_object, sampling_defaults
 from .tokenizer import MissingTokenizer, Tokenizer, tokenizer_for_directory
 from .model_base import ModelBase
 from .llama import SMOLLM2_NAME, load_gguf_model, smollm2_path  # Llama-architecture GGUF files (chapter 9)
@@ -264,15 +264,7 @@ def read_sampling_defaults(directory: Path) -> dict:
     """``generate``'s sampling keyword arguments as a checkpoint folder sets them: its ``generation_config.json``,
     overlaid with ``config.json``'s ``task_specific_params["text-generation"]``, as HF's text-generation pipeline
     does (GPT-2's own config sets ``do_sample`` there). Greedy when neither sets ``do_sample``."""
-    settings = {}
-    file = directory / "generation_config.json"
-    if file.is_file():
-        try:
-            settings = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, *BAD_JSON) as e:
-            raise CheckpointError(f"{file}: not valid JSON ({type(e).__name__}: {e})") from None
-        if not isinstance(settings, dict):
-            raise CheckpointError(f"{file}: expected a JSON object, got {type(settings).__name__}")
+    settings = read_json_object(directory / "generation_config.json")
     task = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("task_specific_params")
     if isinstance(task, dict) and isinstance(task.get("text-generation"), dict):
         settings = {**settings, **task["text-generation"]}
