@@ -88,15 +88,21 @@ def execute(path: Path, load: float, limits: dict) -> dict:
     return record
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("notebooks", nargs="*", type=Path, help="default: every chapter notebook and the appendix")
-    parser.add_argument("--max-load", type=float, default=0.5, help="refuse to start a notebook at this load or more")
+def quiet_arguments(parser: argparse.ArgumentParser, what: str, argv=None) -> argparse.Namespace:
+    """``parser``'s arguments with ``--max-load`` and ``--patience``; refuses quick mode (``GPT2_QUICK``)."""
+    parser.add_argument("--max-load", type=float, default=0.5, help=f"refuse to start {what} at this load or more")
     parser.add_argument("--patience", type=float, default=300.0,
                         help="seconds to wait for the load to fall below --max-load before refusing (default 300)")
     args = parser.parse_args(argv)
     if os.environ.get("GPT2_QUICK", "") not in ("", "0"):
-        raise SystemExit("GPT2_QUICK is set: committed notebooks are full-size executions (unset it)")
+        raise SystemExit("GPT2_QUICK is set: what gets committed is measured at full size (unset it)")
+    return args
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: every chapter notebook and the appendix")
+    args = quiet_arguments(parser, "a notebook", argv)
     paths = [p.resolve() for p in args.notebooks] or chapter_notebooks()
     for path in paths:
         load = wait_for_quiet(args.max_load, args.patience)  # before the limits are measured, which load the cores themselves for a few seconds

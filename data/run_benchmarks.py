@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from execute_notebooks import ROOT, commit, machine_limits, wait_for_quiet  # noqa: E402
+from execute_notebooks import ROOT, commit, machine_limits, quiet_arguments, wait_for_quiet  # noqa: E402
 
 RESULTS = ROOT / "notebooks" / "results"
 
@@ -46,12 +45,7 @@ def run(name: str, load: float, limits: dict) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmarks", nargs="+", help="names as `python -m gpt2_core bench` takes them")
-    parser.add_argument("--max-load", type=float, default=0.5, help="refuse to start a benchmark at this load or more")
-    parser.add_argument("--patience", type=float, default=300.0,
-                        help="seconds to wait for the load to fall below --max-load before refusing (default 300)")
-    args = parser.parse_args(argv)
-    if os.environ.get("GPT2_QUICK", "") not in ("", "0"):
-        raise SystemExit("GPT2_QUICK is set: committed results are full-size runs (unset it)")
+    args = quiet_arguments(parser, "a benchmark", argv)
     for name in args.benchmarks:
         load = wait_for_quiet(args.max_load, args.patience)
         if load >= args.max_load:
