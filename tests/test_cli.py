@@ -277,7 +277,8 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
         # the tight scenario gives each replica less KV memory than chapter 5's default
         assert scenarios[target]["kv_blocks_per_replica"] < scenarios["chapter5_chat"]["kv_blocks_per_replica"]
     elif args[1] == "capstone":  # every chapter's engine: fp32 rows accelerated, int8 rows on chapter 6's kernels
-        assert data["kernels"].startswith("cpu_kernels.accelerate (fp32 rows)") and data["duration_s"] > 0
+        assert data["kernels"].startswith("cpu_kernels.accelerate (fp32 rows") and data["duration_s"] > 0
+        assert "the chapter code without it" in data["kernels"] and "int8 rows" in data["kernels"]
         assert {"naive", "kv_cache", "continuous", "compute_bound"} <= {r["method"] for r in data["results"]}
     else:
         assert data["kernels"] == "cpu_kernels.accelerate"

@@ -17,7 +17,7 @@ MAX_LOAD = 1.0  # the script starts only below 0.5; a record at 1 or more was no
 # New chapters committed before the machine was quiet enough to execute them for commit: they must show no outputs
 # at all (nothing measured in quick mode or on a busy machine), until data/execute_notebooks.py runs them and this
 # set loses their names (the test below fails for a name here whose notebook has a record, so it cannot go stale).
-AWAITING_QUIET_EXECUTION: set[str] = {"11_capstone"}
+AWAITING_QUIET_EXECUTION: set[str] = set()
 
 
 def record_problems(record) -> list[str]:
