@@ -99,19 +99,25 @@ def quiet_arguments(parser: argparse.ArgumentParser, what: str, argv=None) -> ar
     return args
 
 
+def quiet_start(label: str, args: argparse.Namespace) -> tuple[float, dict]:
+    """The load once the machine is quiet (``SystemExit`` if it never gets there) and the machine's limits then."""
+    load = wait_for_quiet(args.max_load, args.patience)  # before the limits are measured, which load the cores themselves for a few seconds
+    if load >= args.max_load:
+        raise SystemExit(f"{label}: the 1-minute load is {load} (>= {args.max_load}): the machine is not quiet; "
+                         f"stop what else runs and try again")
+    limits = machine_limits()
+    print(f"{label}: load {load}, {limits['bytes_per_s'] / 1e9:.1f} GB/s, "
+          f"{limits['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ...", file=sys.stderr, flush=True)
+    return load, limits
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: every chapter notebook and the appendix")
     args = quiet_arguments(parser, "a notebook", argv)
     paths = [p.resolve() for p in args.notebooks] or chapter_notebooks()
     for path in paths:
-        load = wait_for_quiet(args.max_load, args.patience)  # before the limits are measured, which load the cores themselves for a few seconds
-        if load >= args.max_load:
-            raise SystemExit(f"{path.name}: the 1-minute load is {load} (>= {args.max_load}): the machine is not "
-                             f"quiet; stop what else runs and try again")
-        limits = machine_limits()
-        print(f"{path.name}: load {load}, {limits['bytes_per_s'] / 1e9:.1f} GB/s, "
-              f"{limits['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ...", file=sys.stderr, flush=True)
+        load, limits = quiet_start(path.name, args)
         record = execute(path, load, limits)
         print(f"{path.name}: {json.dumps(record)}", file=sys.stderr, flush=True)
     return 0

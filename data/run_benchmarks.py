@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from execute_notebooks import ROOT, commit, machine_limits, quiet_arguments, wait_for_quiet  # noqa: E402
+from execute_notebooks import ROOT, commit, quiet_arguments, quiet_start, wait_for_quiet  # noqa: E402
 
 RESULTS = ROOT / "notebooks" / "results"
 
@@ -47,14 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("benchmarks", nargs="+", help="names as `python -m gpt2_core bench` takes them")
     args = quiet_arguments(parser, "a benchmark", argv)
     for name in args.benchmarks:
-        load = wait_for_quiet(args.max_load, args.patience)
-        if load >= args.max_load:
-            raise SystemExit(f"bench {name}: the 1-minute load is {load} (>= {args.max_load}): the machine is not "
-                             f"quiet; stop what else runs and try again")
-        limits = machine_limits()  # a few seconds at full load on both cores: let the load decay again
-        wait_for_quiet(args.max_load, args.patience)
-        print(f"bench {name}: load {load}, {limits['bytes_per_s'] / 1e9:.1f} GB/s, "
-              f"{limits['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s ...", file=sys.stderr, flush=True)
+        load, limits = quiet_start(f"bench {name}", args)
+        wait_for_quiet(args.max_load, args.patience)  # the limits load both cores for a few seconds: let it decay
         print(f"bench {name}: {json.dumps(run(name, load, limits))}", file=sys.stderr, flush=True)
     return 0
 

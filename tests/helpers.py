@@ -94,6 +94,8 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.05) -> bool
     return bool(predicate())
 
 
+CHAT = [{"role": "system", "content": "You answer as Jane Austen would."},  # a conversation the chat tests send
+        {"role": "user", "content": "Who is Emma Woodhouse?"}]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 

@@ -295,7 +295,7 @@ def test_the_naive_row_runs_a_subset_and_scales_by_positions():
 def test_optional_rows_are_skipped_with_a_note(monkeypatch, tmp_path):
     monkeypatch.setattr(quant_kernels, "numba_available", lambda: False)
     monkeypatch.setattr(C, "replay_hf", lambda *a, **k: None)  # as without torch
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(C, "llama_cpp_available", lambda: False)
     monkeypatch.setattr(C, "missing_extra", lambda: "needs the serve extra (missing: httpx)")
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(json.dumps({"prompt_len": p, "max_new_tokens": n, "arrival_s": a})

@@ -4,12 +4,18 @@ runs made with ``data/run_benchmarks.py`` also record how (``recorded``: command
 GEMM rate measured just before)."""
 
 import json
+from functools import cache
 
 import pytest
 from helpers import ROOT
 
 RESULTS = sorted((ROOT / "notebooks" / "results").glob("*.json"))
 assert RESULTS, "no stored results found"
+
+
+@cache
+def notebooks_text() -> str:
+    return "".join(p.read_text() for p in (ROOT / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
@@ -28,5 +34,4 @@ def test_a_stored_result_is_a_quiet_full_size_run(path):
 @pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
 def test_a_stored_result_is_plotted_or_quoted_by_a_notebook(path):
     """One file per benchmark that a chapter shows; lab history stays in git."""
-    notebooks = "".join(p.read_text() for p in (ROOT / "notebooks").glob("*.ipynb"))
-    assert f"results/{path.name}" in notebooks, f"{path.name} is shown by no notebook"
+    assert f"results/{path.name}" in notebooks_text(), f"{path.name} is shown by no notebook"

@@ -26,7 +26,7 @@ from gpt2_core.errors import InvalidInputError
 from gpt2_core.ch08_parallel.routing import BALANCE_ABS, BALANCE_REL, PrefixAffinity, RoundRobin, block_hashes, make_policy
 from gpt2_core.ch07_serving.launch import RouterProcess, ServerProcess, start_servers
 from gpt2_core.ch08_parallel.http_router import replica_url
-from helpers import ROOT, chat_model_folder, wait_until
+from helpers import CHAT, ROOT, chat_model_folder, wait_until
 
 MODEL = "gpt2-numpy-embedded"
 SYSTEM = ("You are a helpful assistant who answers in the style of Jane Austen, briefly, politely, and always "
@@ -246,10 +246,6 @@ def test_prefix_affinity_keeps_each_conversation_on_one_replica(replicas):
     assert {p for places in where.values() for p in places} == {s.url for s in replicas}
     assert health["status"] == "ok" and health["policy"] == "prefix_affinity"
     assert [r["alive"] for r in health["replicas"]] == [True, True]
-
-
-CHAT = [{"role": "system", "content": "You answer as Jane Austen would."},
-        {"role": "user", "content": "Who is Emma Woodhouse?"}]
 
 
 def test_chat_through_the_router_is_a_servers_chat_whole_and_streamed(affinity, replicas):

@@ -11,12 +11,10 @@ import pytest
 
 from gpt2_core import kv_cache, load_model
 from gpt2_core.ch07_serving.launch import ServerProcess
-from helpers import chat_model_folder
+from helpers import CHAT, chat_model_folder
 
 pytest.importorskip("jinja2")
 MODEL = "chat-test"
-CHAT = [{"role": "system", "content": "You answer as Jane Austen would."},
-        {"role": "user", "content": "Who is Emma Woodhouse?"}]
 
 
 @pytest.fixture(scope="module")

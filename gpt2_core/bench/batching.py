@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from .common import QUICK, blas_info, interleaved, median_time
+from .common import QUICK, blas_thread_count, interleaved, median_time
 from . import progress
 from .kv_cache import gemv_bandwidth, hf_reference_model, step_weights, weight_bytes_per_token
 from ..ch03_batching.engine import LLMEngine, RequestOutput
@@ -326,7 +326,7 @@ def bench_batching(quick: bool = QUICK, trace: str | None = None, max_batch: int
     hf_units = progress.if_installed(90, "torch", "transformers")  # units: rough seconds of a full run
     progress.plan(330 + hf_units, "building the model")
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapters 2-3's code
-    threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
+    threads = blas_thread_count(1)
     if trace is not None:
         requests = wl.load_trace(trace, model.config.vocab_size, tokenizer=model.tokenizer)
         name = str(trace)

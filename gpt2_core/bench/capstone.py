@@ -57,7 +57,6 @@ Timings use random weights of GPT-2 124M's shape (the time of a matmul does not 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import multiprocessing
 import tempfile
 import time
@@ -92,13 +91,13 @@ from ..loading.weights import GPT2Model, load_model, random_model
 from . import workload as wl
 from . import progress
 from .batching import decode_step_runner, gemm_bound_tokens_per_s, replay_hf, warm_up
-from .common import GRADING, QUICK, blas_info, blas_threads, median_time
+from .common import GRADING, QUICK, blas_thread_count, blas_threads, llama_cpp_available, median_time
 from .kv_cache import gemv_bandwidth
 from .paged import fresh
 from .replay import replay, replay_static
 from .router import missing_extra, run_async, write_random_checkpoint
 from .serve import Client
-from .spec import embedded_workloads
+from .spec import NUM_SPECULATIVE, embedded_new_tokens, embedded_workloads
 
 MAX_BATCH = 32  # max_num_seqs of the batched engines, the batch of static and HF
 MAX_NUM_BATCHED_TOKENS = 2048
@@ -110,7 +109,7 @@ RATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)  # the rate curv
 QUICK_RATE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 HEAD_MAX_ROWS = 256  # the LM head runs on one row per sequence (k + 1 when it verifies drafts): at most 160 here
 ROW_BUCKETS = ((1, 8), (9, 32), (33, 256), (257, None))  # steps grouped by their rows, for where the time goes
-SPEC_K = 4  # speculative tokens per step (chapter 10's engine arms)
+SPEC_K = NUM_SPECULATIVE  # speculative tokens per step: chapter 10's benchmark's
 CHAPTER_CODE = "chapter code (plain NumPy: x @ W by BLAS)"
 ACCELERATED = "the appendix's accelerate() kernels under the chapter code"
 ENGINES = ("naive", "kv_cache", "static", "continuous", "paged", "prefix_cached")
@@ -177,10 +176,17 @@ def latencies_of(outputs: list[RequestOutput]) -> dict:
                           [g for o in ok for g in o.metrics.inter_token_latencies])
 
 
+def kv_blocks(requests: list[Request], extra_tokens: int = 0, seqs: int = MAX_BATCH) -> int:
+    """KV blocks for ``seqs`` of the longest request (``extra_tokens`` more each): room enough that nothing is
+    preempted."""
+    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests) + extra_tokens
+    return seqs * blocks_needed(longest, BLOCK_SIZE)
+
+
 def make_engine(model: GPT2Model, method: str, requests: list[Request], max_num_seqs: int = MAX_BATCH):
     """The engine of ``method`` with KV room for ``max_num_seqs`` of the longest request (nothing preempted)."""
     longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
-    blocks = max_num_seqs * -(-longest // BLOCK_SIZE)
+    blocks = kv_blocks(requests, seqs=max_num_seqs)
     if method == "continuous":
         return LLMEngine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                          max_len=min(longest, model.config.n_positions))
@@ -234,7 +240,7 @@ def run_engine(engine, requests: list[Request], arrivals: bool) -> dict:
     return {"outputs": outputs, "seconds": seconds, "model_steps": engine.num_steps,
             "kv_bytes_peak": per_position * max(s.kv_reserved_tokens for s in engine.step_stats),
             "kv_bytes_allocated": int(engine.store.nbytes), "num_preemptions": engine.scheduler.num_preemptions,
-            "steps": recorder.steps, "forward_seconds": recorder.seconds, "engine": engine}
+            "steps": recorder.steps, "forward_seconds": recorder.seconds}
 
 
 def serve_static(model: GPT2Model, requests: list[Request], arrivals: bool, batch: int = MAX_BATCH) -> dict:
@@ -325,11 +331,12 @@ def record(method: str, model: GPT2Model, offline: dict, latency: dict, passes, 
     weights = model if weights is None else weights
     if kv_bytes_per_position is not None:
         extra["kv_bytes_per_position"] = kv_bytes_per_position
-    work = count_work(model.config, passes, offline["model_steps"], bytes_per_token(weights), kv_bytes_per_position)
+    weight_bytes_per_step = bytes_per_token(weights)
+    work = count_work(model.config, passes, offline["model_steps"], weight_bytes_per_step, kv_bytes_per_position)
     return {"method": method, "batch": extra.pop("batch", 1), "tokens_per_s": tokens / offline["seconds"],
             **latency, "kv_bytes_peak": int(offline["kv_bytes_peak"]), "weight_bytes": int(weights.nbytes()),
             "output_tokens": tokens, "seconds": offline["seconds"], **work,
-            "weight_bytes_per_step": int(bytes_per_token(weights)),
+            "weight_bytes_per_step": int(weight_bytes_per_step),
             "num_preemptions": offline.get("num_preemptions", 0), **extra}
 
 
@@ -353,14 +360,15 @@ def step_pricing(config: GPT2Config, row: dict, recorded, rates: dict, bytes_per
     args = (row["weight_bytes_per_step"], rates, bytes_per_s)
     kv = row.get("kv_bytes_per_position")
     bound = per_step_bound(config, steps, *args, row["output_tokens"], kv)
+    rows = [sum(q for q, _, _ in c) for c in steps]
+    least = [max(step_seconds(config, c, *args, kv)) for c in steps]
     buckets = []
     for lo, hi in ROW_BUCKETS:
-        picked = [(c, s) for c, s in zip(steps, seconds) if lo <= sum(q for q, _, _ in c) <= (hi or float("inf"))]
+        picked = [i for i, n in enumerate(rows) if lo <= n <= (hi or float("inf"))]
         if picked:
             buckets.append({"rows": f"{lo}-{hi}" if hi else f"{lo}+", "steps": len(picked),
-                            "mean_rows": float(np.mean([sum(q for q, _, _ in c) for c, _ in picked])),
-                            "bound_s": sum(max(step_seconds(config, c, *args, kv)) for c, _ in picked),
-                            "forward_s": sum(s for _, s in picked)})
+                            "mean_rows": float(np.mean([rows[i] for i in picked])),
+                            "bound_s": sum(least[i] for i in picked), "forward_s": sum(seconds[i] for i in picked)})
     return {**bound, "fraction_of_step_bound": row["tokens_per_s"] / bound["step_bound_tokens_per_s"],
             "step_time": {"forward_s": sum(seconds), "outside_forward_s": row["seconds"] - sum(seconds),
                           "by_rows": buckets}}
@@ -533,7 +541,8 @@ def embedded_outcomes(quick: bool, k: int = SPEC_K) -> dict:
     for name, prompts in embedded_workloads(model, quick).items():
         log, drafter = PassLog(), LoggingDrafter(PromptLookupDrafter())
         for p in prompts:
-            speculative.generate(model, p, 16 if quick else 60, stop_at_eos=False, drafter=drafter, k=k, stats=log)
+            speculative.generate(model, p, embedded_new_tokens(quick), stop_at_eos=False, drafter=drafter, k=k,
+                                 stats=log)
         passes, outcomes = iter(log.passes), []
         for asked, proposed in drafter.asked:
             got = next(passes) if proposed else (0, 0)  # each non-empty proposal was verified, in order
@@ -584,8 +593,7 @@ def spec_row(model: GPT2Model, requests, base_row: dict, base_outputs, workload:
     ``base_outputs``. Its work is counted from the passes it ran (the rejected drafts' FLOPs included)."""
     refs = {o.request_id: list(o.prompt_token_ids) + list(o.output_token_ids) for o in base_outputs}
     drafter = ReplayDrafter([refs[r.request_id] for r in requests], measured["outcomes"], model.config.vocab_size)
-    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests) + SPEC_K + 1
-    store = SpeculativeKVStore(model.config, MAX_BATCH * blocks_needed(longest, BLOCK_SIZE), BLOCK_SIZE)
+    store = SpeculativeKVStore(model.config, kv_blocks(requests, SPEC_K + 1), BLOCK_SIZE)
     engine = SpeculativeEngine(model, drafter, SPEC_K, store, max_num_seqs=MAX_BATCH,
                                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     offline = run_engine(engine, requests, arrivals=False)
@@ -617,8 +625,7 @@ def spec_row(model: GPT2Model, requests, base_row: dict, base_outputs, workload:
 def tp2_row(base: GPT2Model, requests) -> dict:
     """Chapter 8's tensor parallelism inside chapter 5's engine: each step on two worker processes of 1 BLAS thread
     (the chapter code; ``TensorParallelRunner``), offline, after two untimed warm-up requests on other prompts."""
-    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
-    store = PrefixCachingKVStore(base.config, MAX_BATCH * blocks_needed(longest, BLOCK_SIZE) + 8, BLOCK_SIZE)
+    store = PrefixCachingKVStore(base.config, kv_blocks(requests) + 8, BLOCK_SIZE)
 
     def engine(forward):
         return CachingLLMEngine(base, store, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -660,11 +667,10 @@ def served_row(base: GPT2Model, requests, threads: int) -> tuple[dict | None, st
     missing = missing_extra()
     if missing is not None:
         return None, f"no served row: {missing}"
-    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
     with tempfile.TemporaryDirectory(prefix="gpt2_capstone_") as tmp:
         args = ["--model", str(write_random_checkpoint(base, Path(tmp))), "--served-model-name", "gpt2-random",
                 "--max-num-seqs", str(MAX_BATCH), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
-                "--num-blocks", str(MAX_BATCH * blocks_needed(longest, BLOCK_SIZE) + 8)]
+                "--num-blocks", str(kv_blocks(requests) + 8)]
         server = start_servers(1, *args, threads=threads)[0]
         try:
             records, seconds = run_async(send_all(server.base_url, requests, base.config.vocab_size))
@@ -725,7 +731,7 @@ def hf_row(model: GPT2Model, requests, threads: int, weights: GPT2Model | None =
     if arrivals:
         latency = latencies_of(replay_hf(model, fresh(requests), MAX_BATCH, threads)[0])
     else:
-        latency = {"ttft_p50_s": None, "itl_p50_s": None, "itl_p99_s": None}
+        latency = dict(NO_LATENCY)
     lengths = lengths_of(requests)
     columns = max(P for P, _ in lengths) + max(N for _, N in lengths)
     offline = {"outputs": outputs, "seconds": wl.summarize(outputs)["duration_s"],
@@ -741,9 +747,9 @@ def hf_row(model: GPT2Model, requests, threads: int, weights: GPT2Model | None =
 
 
 def llamacpp_note() -> str:
-    if importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-python is not installed: no llamacpp rows (measured on this machine before: batch-1 "
-                "decode in f32 about 60 tok/s, equal to chapter 2's; q8_0 about 2.4x faster)")
+    if not llama_cpp_available():
+        return ("llama-cpp-python is not installed: no llamacpp rows (measured on an earlier host of this project, "
+                "a Skylake-X: batch-1 decode in f32 about 60 tok/s, equal to chapter 2's; q8_0 about 2.4x faster)")
     return "llama-cpp-python is installed, but this benchmark does not write GGUF files yet: no llamacpp rows"
 
 
@@ -755,8 +761,7 @@ def compute_bound_row(config: GPT2Config, requests, limits: dict) -> dict:
     tokens = sum(N for _, N in lengths)
     return {"method": "compute_bound", "batch": "all", "tokens_per_s": tokens * limits["gemm_flops_per_s"] / flops,
             "bound_tokens_per_s": tokens * limits["gemm_flops_per_s"] / flops, "bound_kind": "flops",
-            "flops": int(flops), "output_tokens": tokens, "ttft_p50_s": None, "itl_p50_s": None, "itl_p99_s": None,
-            "kv_bytes_peak": None, "weight_bytes": None}
+            "flops": int(flops), "output_tokens": tokens, **NO_LATENCY, "kv_bytes_peak": None, "weight_bytes": None}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -913,13 +918,13 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     out["anatomy"] = {"accelerated": step_anatomy(model, fast_rates, requests)}
     if plain_rates is not None:
         out["anatomy"]["chapter_code"] = step_anatomy(base, plain_rates, requests)
-    return summarize_run(out, machine, {"accelerated": fast_rates, "chapter_code": plain_rates}, requests, name,
-                         quick, config, time.perf_counter() - t_start)
+    return summarize_run(out, machine, limits, {"accelerated": fast_rates, "chapter_code": plain_rates}, requests,
+                         name, quick, config, time.perf_counter() - t_start)
 
 
 def measure_rows(model, base, requests, quick: bool, machine: MachineReadings, sweep_points, parts: dict) -> dict:
     """Every row of the run, in the order measured, the machine read between the parts (``bench_capstone``)."""
-    threads = int(blas_info()[0]["num_threads"]) if blas_info() else 1
+    threads = blas_thread_count(1)
     rows, outputs = fp32_rows(model, base, requests, quick, ACCELERATED)
     machine.read()
     skipped, spec, chapter = [], None, []
@@ -973,7 +978,8 @@ def chapter_code_summary(chapter: list[dict], rows: list[dict]) -> dict | None:
             "final_fraction_of_step_bound": own[final].get("fraction_of_step_bound")}
 
 
-def summarize_run(out: dict, machine: MachineReadings, rates: dict, requests, name, quick, config, seconds) -> dict:
+def summarize_run(out: dict, machine: MachineReadings, limits: dict, rates: dict, requests, name, quick, config,
+                  seconds) -> dict:
     rows = out["rows"]
     by = {r["method"]: r for r in rows}
     final = final_of(rows)
@@ -988,7 +994,6 @@ def summarize_run(out: dict, machine: MachineReadings, rates: dict, requests, na
                "final >= 0.8 x per-step bound": ratios["final_fraction_of_step_bound"] >= 0.8,
                "sweep reaches 100x naive": first_100 is not None}
     shape = "GPT-2 124M shape" if config.n_layer == 12 else f"GPT-2 124M widths, {config.n_layer} layers"
-    limits = median_limits(machine.limits)
     return {"benchmark": "capstone", "model": f"random weights, {shape}, float32", "quick": quick,
             "kernels": "cpu_kernels.accelerate (fp32 rows: results); the chapter code without it (fp32 rows: "
                        "chapter_code); chapter code + quantization kernels (int8 rows)",

@@ -6,6 +6,7 @@ are compared as ratios measured side by side in the same run, never against numb
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import statistics
@@ -82,6 +83,20 @@ def blas_info() -> list[dict]:
     return [{k: lib.get(k) for k in keep} for lib in threadpool_info() if lib.get("user_api") == "blas"]
 
 
+def blas_thread_count(default: int | None = None) -> int | None:
+    """Threads of this process's BLAS (its first library's), or ``default`` where threadpoolctl sees none."""
+    info = blas_info()
+    return int(info[0]["num_threads"]) if info else default
+
+
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python"  # it builds llama.cpp from source: no extra of this package has it
+
+
+def llama_cpp_available() -> bool:
+    """Is llama-cpp-python installed (the benchmarks' optional llama.cpp rows)?"""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def cpu_model() -> str | None:
     """The CPU's model name as Linux reports it (the same host name can hide another CPU from one day to the next)."""
     try:
@@ -121,6 +136,13 @@ def blas_threads(n: int | None):
     return threadpool_limits(limits=n, user_api="blas")
 
 
+def turn_order(items, r: int) -> list:
+    """``items`` in their order in even rounds ``r``, reversed in odd ones: whatever the machine's drift does during
+    a round falls on the first and the last alike over two rounds."""
+    items = list(items)
+    return items if r % 2 == 0 else items[::-1]
+
+
 def interleaved(runs: dict, rounds: int, measure=None) -> dict:
     """``{name: [one reading per round]}``: each of ``runs`` (name -> function) measured in every round, in the
     dict's order in even rounds and reversed in odd ones, so that the machine's drift falls on all of them alike.
@@ -131,6 +153,6 @@ def interleaved(runs: dict, rounds: int, measure=None) -> dict:
             return median_time(run, repeats=3, warmup=1)
     readings: dict = {name: [] for name in runs}
     for r in range(rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+        for name in turn_order(runs, r):
             readings[name].append(measure(runs[name], r))
     return readings

@@ -19,7 +19,7 @@ from ..a1_cpu_kernels import accelerate, array_of
 from ..errors import is_integer
 from ..ch01_forward.generation import next_token_logits
 from ..loading.weights import GPT2Model, random_model
-from .common import GRADING, QUICK, blas_info, interleaved, median_time
+from .common import GRADING, QUICK, blas_thread_count, interleaved, median_time
 from . import progress
 
 
@@ -352,7 +352,7 @@ def bench_kv_cache(quick: bool = QUICK, threads: int | None = None) -> dict:
     hf_units = progress.if_installed(35, "torch", "transformers")
     progress.plan(65 + hf_units, "building the model")  # units: rough shares of a full run
     model = accelerate(random_model("gpt2", seed=0))  # the appendix's kernels under chapter 2's code
-    threads = threads or (int(blas_info()[0]["num_threads"]) if blas_info() else (os.cpu_count() or 1))
+    threads = threads or blas_thread_count(os.cpu_count() or 1)
     prompt_len = 16
     positions = [16, 32, 64, 128] if quick else [16, 64, 128, 256, 384, 512]
     new_tokens = positions[-1] - prompt_len

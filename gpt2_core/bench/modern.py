@@ -21,7 +21,6 @@ ratio is the median over rounds of the two arms' ratio in the same round.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -35,10 +34,9 @@ from ..ch09_modern_model.quantized import GROUP_SIZE, quantize_llama  # (importi
 from ..errors import InvalidInputError
 from ..loading.llama import LlamaConfig, LlamaModel, load_gguf_model, random_llama, smollm2_path
 from . import turns
-from .common import QUICK, blas_info, machine_info
+from .common import LLAMA_CPP_INSTALL, QUICK, blas_thread_count, llama_cpp_available, machine_info
 from .kv_cache import gemv_bandwidth
 
-LLAMA_CPP_INSTALL = "pip install llama-cpp-python"  # llama-cpp-python: builds llama.cpp from source
 TOKEN = 42  # the token every decode step feeds: a step's time does not depend on which
 GREEDY_QUESTION = "What is the capital of France?"
 GREEDY_TOKENS = 16
@@ -49,10 +47,6 @@ def sizes(quick: bool) -> dict:
     if quick:
         return {"context": 32, "prefill_len": 64, "rounds": 2, "repeats": {"decode": 2, "prefill": 1}}
     return {"context": 128, "prefill_len": 512, "rounds": 5, "repeats": {"decode": 7, "prefill": 2}}
-
-
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def prompt_ids(vocab_size: int, n: int) -> np.ndarray:
@@ -194,12 +188,11 @@ def paired_speedup(readings: dict, fast: str, slow: str, phase: str) -> float | 
     return None if not a or not b else float(np.median(np.asarray(b) / np.asarray(a)))
 
 
-def summarize(readings: dict, model: LlamaModel, quick: bool, info: dict, bandwidth: float) -> dict:
+def summarize(readings: dict, model: LlamaModel, prefill_len: int, info: dict, bandwidth: float) -> dict:
     """Records (median ms and tokens/s of each arm and phase, with every round's reading), paired ratios, the share
     of a decode step that is per-call overhead, and each arm's bytes per token against the bandwidth bound."""
-    s = sizes(quick)
     records = [{"arm": arm, "phase": phase, "ms": 1e3 * float(np.median(sec)), "ms_rounds": [1e3 * t for t in sec],
-                "tokens_per_s": (s["prefill_len"] if phase == "prefill" else 1) / float(np.median(sec))}
+                "tokens_per_s": (prefill_len if phase == "prefill" else 1) / float(np.median(sec))}
                for (arm, phase), sec in readings.items() if phase != "overhead"]
     ratios = {f"{fast}_over_{slow}_{phase}".replace(".", ""): paired_speedup(readings, fast, slow, phase)
               for fast, slow in (("int4", "fp32"), ("llama.cpp", "fp32"), ("llama.cpp", "int4"))
@@ -229,7 +222,7 @@ def side_by_side(quick: bool = QUICK, model: LlamaModel | None = None, threads: 
                                     "load the same file), or a LlamaConfig")
         source = model.source
     s = sizes(quick)
-    threads = threads or (blas_info()[0]["num_threads"] if blas_info() else os.cpu_count())
+    threads = threads or blas_thread_count(os.cpu_count())
     repeats = {(arm, phase): s["repeats"]["prefill" if phase == "prefill" else "decode"] for arm in ARMS
                for phase in PHASES}
     runners = our_runners("fp32", model, overhead_model(model.config), s["context"], s["prefill_len"])
@@ -237,7 +230,7 @@ def side_by_side(quick: bool = QUICK, model: LlamaModel | None = None, threads: 
         run()
     tok = model.tokenizer
     chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": GREEDY_QUESTION}])) \
-        if tok and tok.chat_template else []
+        if tok.chat_template else []
     workers, info, notes = start_workers(source, s, threads, repeats, chat)
     try:
         readings = turns.take_turns(runners, workers, s["rounds"], repeats)
@@ -245,7 +238,7 @@ def side_by_side(quick: bool = QUICK, model: LlamaModel | None = None, threads: 
         for worker in workers:
             worker.close()
     result = {"model": model.source, "quick": quick, **s, "threads": threads, "skipped": notes,
-              **summarize(readings, model, quick, info, gemv_bandwidth(repeats=3 if quick else 7)),
+              **summarize(readings, model, s["prefill_len"], info, gemv_bandwidth(repeats=3 if quick else 7)),
               "workers": info, "machine": machine_info()}
     if "llama.cpp" in info and chat:  # the same file, the same answer? llama.cpp's greedy tokens against ours
         ours = generate(model, chat, GREEDY_TOKENS, stop_at_eos=False)
@@ -255,7 +248,7 @@ def side_by_side(quick: bool = QUICK, model: LlamaModel | None = None, threads: 
 
 
 def summary_lines(result: dict) -> list[str]:
-    """The figures of a ``side_by_side`` result as lines of text (the notebook prints them)."""
+    """The figures of a ``side_by_side`` result as lines of text, one figure a line."""
     lines = [f"{'arm':10s} {'decode tok/s':>12s} {'prefill tok/s':>13s} {'weights MB':>10s}  "
              f"(context {result['context']}, prefill {result['prefill_len']} tokens, {result['rounds']} rounds)"]
     rows = {(r["arm"], r["phase"]): r["tokens_per_s"] for r in result["records"]}

@@ -25,7 +25,6 @@ windows of the held-out text, 8 requests, 2 rounds.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from dataclasses import replace
 
@@ -43,7 +42,7 @@ from ..ch03_batching.sequence import Request
 from ..loading.weights import GPT2Model, load_model, random_model
 from .batching import decode_step_runner
 from . import progress, turns
-from .common import GRADING, QUICK, blas_info
+from .common import GRADING, QUICK, blas_thread_count, llama_cpp_available
 from .paged import fresh
 from .workload import poisson_workload, standard_workload, summarize
 
@@ -205,8 +204,8 @@ def kv_memory(quick: bool) -> list[dict]:
 
 def bench_quant(quick: bool = QUICK, threads: int | None = None) -> dict:
     progress.plan(100, "decode-step speed of each format and kernel, in rounds")  # units: rough shares of a run
-    if threads is None and blas_info():
-        threads = int(blas_info()[0]["num_threads"])
+    if threads is None:
+        threads = blas_thread_count()
     speed_records, method = speed(quick, threads, units=70)
     progress.advance(0, "quality: perplexity, greedy agreement, logits")
     config = speed_shape(quick)
@@ -243,9 +242,8 @@ def bench_quant(quick: bool = QUICK, threads: int | None = None) -> dict:
                "int8_over_fp32_sequences_of_512_tokens >= 3.5":
                    ratios["int8_over_fp32_sequences_of_512_tokens"] >= 3.5,
                "int8_perplexity_increase <= 0.02": ratios["int8_perplexity_increase"] <= 0.02}
-    llamacpp = ("llama-cpp-python is not installed: no llamacpp_* records" if importlib.util.find_spec("llama_cpp")
-                is None else "llama-cpp-python is installed, but this benchmark does not write GGUF files yet: no "
-                             "llamacpp_* records")
+    llamacpp = ("llama-cpp-python is installed, but this benchmark does not write GGUF files yet: no llamacpp_* "
+                "records" if llama_cpp_available() else "llama-cpp-python is not installed: no llamacpp_* records")
     return {"benchmark": "quant", "model": method["model"], "quick": quick, "llamacpp": llamacpp,
             "kernels": "chapter code (x @ W): fp32 by BLAS; a format's numpy kernel dequantizes then BLAS; numba "
                        "kernels read the quantized bytes (quant_kernels)",

@@ -56,6 +56,11 @@ HONEST = ("random weights: the oracle's alpha is set, not measured; prompt looku
           "random model's own repetition; timings are real")
 
 
+def embedded_new_tokens(quick: bool) -> int:
+    """Tokens each prompt of the embedded model's workloads generates (here and in the capstone's replay)."""
+    return 16 if quick else 60
+
+
 def verify_costs(model: GPT2Model, ks, rounds: int, context: int = CONTEXT) -> dict:
     """k -> median seconds of one pass of k + 1 positions after ``context`` cached tokens, and that in decode steps."""
     runner = speculative.CacheRunner(model)
@@ -239,7 +244,7 @@ def bench_spec(quick: bool = False) -> dict:
                          ks[1:], cost)
     engine = engine_rows(model, (1, 4) if quick else (1, 4, 16), 24 if quick else 48, 8 if quick else 64,
                          1 if quick else 3)
-    embedded, alpha_int8 = embedded_rows(quick, 16 if quick else 60)
+    embedded, alpha_int8 = embedded_rows(quick, embedded_new_tokens(quick))
     draft = draft_costs(base, model, alpha_int8, cost)
     small = load_model()
     formula = formula_rows(small, [small.tokenizer.encode(t) for t in OPENINGS[:2 if quick else 6]],

@@ -16,16 +16,15 @@ import multiprocessing
 import time
 from collections.abc import Callable
 
-from .common import blas_threads, median_time
+from .common import blas_threads, median_time, turn_order
 
 SETTLE_S = 0.3  # pause between two turns: the other process's threads go idle before a clock starts
 
 
 def measure_round(runners: dict, r: int, repeats: int | dict) -> dict:
     """One reading of each runner (median of its repeats after one warm-up), in order, reversed in odd rounds."""
-    names = list(runners) if r % 2 == 0 else list(runners)[::-1]
     return {name: median_time(runners[name], repeats=repeats[name] if isinstance(repeats, dict) else repeats,
-                              warmup=1) for name in names}
+                              warmup=1) for name in turn_order(runners, r)}
 
 
 def worker_main(conn, build: Callable, args: tuple, threads: int | None, repeats: int | dict) -> None:
@@ -85,7 +84,7 @@ def take_turns(runners: dict, workers: list[TurnWorker], rounds: int, repeats: i
     readings: dict = {name: [] for name in runners}
     turns = ["main", *workers]
     for r in range(rounds):
-        for turn in turns if r % 2 == 0 else turns[::-1]:
+        for turn in turn_order(turns, r):
             got = measure_round(runners, r, repeats) if turn == "main" else turn.round(r)
             for name, seconds in got.items():
                 readings.setdefault(name, []).append(seconds)

@@ -82,7 +82,7 @@ class CompletionShape:
     """How ``/v1/completions`` writes its answer: choices with ``text``, log-probabilities with ``text_offset``s
     that run on across a stream's chunks."""
 
-    object, chunk_object = "text_completion", "text_completion"
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl"
 
     def __init__(self, batch: Batch, model_name: str):
         self.batch, self.model_name = batch, model_name

@@ -96,12 +96,12 @@ class Server:
         return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def completions(self, request: Request) -> Response:
-        return await self.generate(request, self.parse, CompletionShape, "cmpl")
+        return await self.generate(request, self.parse, CompletionShape)
 
     # -- what completions and chat share ----------------------------------------------------------------------------
-    async def generate(self, request: Request, parse, shape, prefix: str) -> Response:
+    async def generate(self, request: Request, parse, shape) -> Response:
         """Read the body, ``parse`` it (bytes -> a ``CompletionRequest`` per prompt, or a ``BadRequest``) in a
-        worker thread, queue a job per prompt, answer in the ``shape`` of the API (ids ``prefix-...``)."""
+        worker thread, queue a job per prompt, answer in the ``shape`` of the API (ids ``<shape.id_prefix>-...``)."""
         if self.loop.num_waiting() >= self.loop.max_waiting:  # full: refuse before reading or checking anything
             return self._refuse(BadRequest(f"the server is at capacity: {self.loop.max_waiting} requests are waiting "
                                            f"already; retry later", None, 429), "queue_full")
@@ -110,7 +110,7 @@ class Server:
             requests = await run_in_threadpool(parse, raw)
         except BadRequest as e:
             return self._refuse(e, "invalid")
-        batch = self._batch(requests, asyncio.Queue(), prefix)
+        batch = self._batch(requests, asyncio.Queue(), shape.id_prefix)
         try:
             self.loop.submit(*batch.jobs)
         except BadRequest as e:
@@ -147,10 +147,7 @@ def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: in
     starts and stops with the app (its lifespan); ``app.state.server`` is the ``Server``. ``api_key``,
     ``open_paths``, ``allowed_origins`` and ``max_body_bytes``: see ``middleware``; ``body_timeout_s``: see
     ``slow_clients``; ``metric_parts``: more metrics on ``/metrics`` (see ``ServerMetrics``)."""
-    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
-        raise InvalidInputError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
-    if not (isinstance(body_timeout_s, (int, float)) and body_timeout_s > 0):
-        raise InvalidInputError(f"body_timeout_s must be a positive number of seconds, got {body_timeout_s!r}")
+    middleware = middleware_stack(api_key, open_paths, allowed_origins, max_body_bytes, body_timeout_s)  # checks
     if api_key is not None and not (isinstance(api_key, str) and api_key.strip()):
         raise InvalidInputError("the API key must not be empty (leave --api-key out for none)")
     server = Server(model, model_name, engine if engine is not None else build_engine(model, **engine_args),
@@ -170,7 +167,7 @@ def make_app(model, model_name: str = "gpt2-numpy", engine=None, max_waiting: in
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", ChatCompletions(server).create, methods=["POST"]),
         *UtilityRoutes(server).routes()], lifespan=lifespan,
-        middleware=middleware_stack(api_key, open_paths, allowed_origins, max_body_bytes, body_timeout_s),
+        middleware=middleware,
         exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(HTTPMetrics, metrics=server.metrics, routes=app.routes)  # outermost: every answer counted
     app.state.server = server

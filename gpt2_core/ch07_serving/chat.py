@@ -93,7 +93,7 @@ class ChatShape(CompletionShape):
     """How the chat API writes its answer: a ``message`` per choice when whole; streamed, a ``delta`` with the role
     first, then the text, then the finish reason (``answers`` runs the loop)."""
 
-    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
     def opening(self) -> list[dict]:  # the role first, as OpenAI and vLLM send it
         return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -123,7 +123,7 @@ class ChatCompletions:
         self.server = server
 
     async def create(self, request: Request) -> Response:
-        return await self.server.generate(request, self.parse, ChatShape, "chatcmpl")
+        return await self.server.generate(request, self.parse, ChatShape)
 
     def parse(self, raw: bytes) -> list[CompletionRequest]:
         """A chat body (in a worker thread: the template and the tokenizer run here), as one request."""

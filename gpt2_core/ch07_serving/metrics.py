@@ -23,6 +23,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
 SIZE_BUCKETS = tuple(m * 10**e for e in range(5) for m in (1, 2, 5)) + (100_000,)
 
 
+def catch_up(counter, seen: dict, key, now: int) -> None:
+    """Bring the Prometheus ``counter`` up to the engine's running total ``now`` (``seen[key]``: what it shows)."""
+    if now > seen[key]:
+        counter.inc(now - seen[key])
+        seen[key] = now
+
+
 class ServerMetrics:
     """The metrics of one server. ``parts``: factories ``part(registry, labels)`` of objects with ``update(engine)``,
     called between steps by the engine's thread (a later chapter's metrics, on the same registry and labels)."""
@@ -106,9 +113,7 @@ class ServerMetrics:
         for key, counter, now in (("queries", self.prefix_queries, s["queried_tokens"]),
                                   ("hits", self.prefix_hits, s["hit_tokens"]),
                                   ("preemptions", self.preemptions, s["num_preemptions"])):
-            if now > self._seen[key]:
-                counter.inc(now - self._seen[key])
-                self._seen[key] = now
+            catch_up(counter, self._seen, key, now)
         for part in self.parts:
             part.update(engine)
 

@@ -33,7 +33,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from .protocol import BadRequest, shown
-from .slow_clients import BODY_TIMEOUT_S, BodyTimeout
+from ..errors import InvalidInputError
+from .slow_clients import BODY_TIMEOUT_S, BodyTimeout, check_seconds
 
 log = logging.getLogger("gpt2_core.ch07_serving")
 access_log = logging.getLogger("gpt2_core.access")
@@ -204,7 +205,11 @@ class BodyLimit:
 def middleware_stack(api_key: str | None = None, open_paths=OPEN_PATHS, allowed_origins=(),
                      max_body_bytes: int = MAX_BODY_BYTES,
                      body_timeout_s: float = BODY_TIMEOUT_S) -> list[Middleware]:
-    """The middlewares of the module's docstring, outermost first, for ``Starlette(middleware=...)``."""
+    """The middlewares of the module's docstring, outermost first, for ``Starlette(middleware=...)``;
+    ``InvalidInputError`` for a limit that is not positive."""
+    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+        raise InvalidInputError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    check_seconds("body_timeout_s", body_timeout_s)
     stack = [Middleware(RequestContext)]
     if allowed_origins:
         stack.append(Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],

@@ -100,10 +100,15 @@ class GuardedH11Protocol(H11Protocol):
         transport.close()
 
 
+def check_seconds(name: str, value) -> None:
+    """``InvalidInputError`` unless ``value`` (the setting ``name``) is a positive number of seconds."""
+    if not (isinstance(value, (int, float)) and value > 0):
+        raise InvalidInputError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
 def guarded_protocol(header_timeout_s: float = HEADER_TIMEOUT_S):
     """The protocol for ``uvicorn.Config(http=...)``."""
-    if not (isinstance(header_timeout_s, (int, float)) and header_timeout_s > 0):
-        raise InvalidInputError(f"header_timeout_s must be a positive number of seconds, got {header_timeout_s!r}")
+    check_seconds("header_timeout_s", header_timeout_s)
     return functools.partial(GuardedH11Protocol, header_timeout_s=header_timeout_s)
 
 

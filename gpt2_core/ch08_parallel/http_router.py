@@ -242,9 +242,7 @@ class Router:
         id (the router's)."""
         headers = {"content-type": b"application/json"}
         headers.update((k.decode(), v) for k, v in request.scope["headers"] if k in (b"content-type", b"authorization"))
-        rid = request.scope.get("gpt2_core.request_id") or request.headers.get("x-request-id")
-        if rid:
-            headers["x-request-id"] = rid
+        headers["x-request-id"] = request.scope["gpt2_core.request_id"]  # RequestContext set it
         return headers
 
     async def forward(self, request: Request) -> Response:
@@ -331,8 +329,7 @@ def make_router_app(urls: list[str], policy: str = "prefix_affinity", max_body_b
                     **router_args) -> Starlette:
     """The ASGI app routing to the servers at ``urls``; ``app.state.router`` is the ``Router``. The health probe
     runs with the app (its lifespan). A body over ``max_body_bytes`` gets a 413 here, before the router holds it."""
-    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
-        raise InvalidInputError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    middleware = middleware_stack(max_body_bytes=max_body_bytes)  # its checks before the router is built
     router = Router(urls, policy, **router_args)
 
     @contextlib.asynccontextmanager
@@ -352,7 +349,7 @@ def make_router_app(urls: list[str], policy: str = "prefix_affinity", max_body_b
              for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")]
     gets = [Route(path, router.relay_get) for path in ("/v1/models", "/v1/models/{model_id:path}", "/version")]
     app = Starlette(routes=[Route("/health", router.health), Route("/metrics", router.metrics_text), *posts, *gets],
-                    lifespan=lifespan, middleware=middleware_stack(max_body_bytes=max_body_bytes),
+                    lifespan=lifespan, middleware=middleware,
                     exception_handlers=EXCEPTION_HANDLERS)
     app.state.router = router
     return app

@@ -34,17 +34,17 @@ def quantize_llama(model: LlamaModel, fmt: str = "int4", group_size: int = GROUP
         raise InvalidInputError(f"quantize_llama takes a LlamaModel, got {type(model).__name__}")
     if not isinstance(embeddings, bool):
         raise InvalidInputError(f"embeddings must be True or False, got {embeddings!r}")
+    if fmt == "fp32":
+        return model
     cfg = model.config
     if fmt == "int4":
         for inputs in (cfg.n_embd, cfg.intermediate_size):  # every matrix's inputs are E or F
             check_group_size(group_size, inputs)
-    kernel = resolve_kernel(kernel, fmt) if fmt != "fp32" else "numpy"
+    kernel = resolve_kernel(kernel, fmt)
 
     def q(w):  # [in, out] float32 -> the format, multiplied by ``kernel``
         return quantize_weight(np.asarray(w, dtype=np.float32), fmt, group_size).with_kernel(kernel)
 
-    if fmt == "fp32":
-        return model
     params = dict(model.params)
     if embeddings:
         for name in ("token_embd", "output"):  # [V, E]; the head is x @ it.T (the tied one, or its own)

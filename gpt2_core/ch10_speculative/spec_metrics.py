@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
+from ..ch07_serving.metrics import catch_up
+
 PREFIX = "gpt2_spec_decode_"
 
 
@@ -35,22 +37,16 @@ class SpecDecodeMetrics:
             "num_accepted_tokens": counter("num_accepted_tokens", "Draft tokens accepted").labels(**labels)}
         self.per_position = counter("num_accepted_tokens_per_pos", "Draft tokens accepted at each position of a "
                                     "pass's drafts (0: the first)", ["position"])
-        self.seen = {name: 0 for name in self.totals}
-        self.seen_per_position: list[int] = []
+        self.seen = {name: 0 for name in self.totals}  # and position i -> accepted there, once k is known
+        self.positions = []  # position i's counter, made when the engine first drafts that far
 
     def update(self, engine) -> None:
         stats = engine.spec_stats
         for name, total in self.totals.items():
-            now = getattr(stats, name)
-            if now > self.seen[name]:
-                total.inc(now - self.seen[name])
-                self.seen[name] = now
+            catch_up(total, self.seen, name, getattr(stats, name))
         accepted = stats.accepted_per_position
-        positions = max(engine.k, len(accepted))
-        self.seen_per_position += [0] * (positions - len(self.seen_per_position))  # each position shown from 0 on
-        for i in range(positions):
-            child = self.per_position.labels(**self.labels, position=str(i))
-            now = accepted[i] if i < len(accepted) else 0
-            if now > self.seen_per_position[i]:
-                child.inc(now - self.seen_per_position[i])
-                self.seen_per_position[i] = now
+        for i in range(len(self.positions), max(engine.k, len(accepted))):  # each position shown from 0 on
+            self.positions.append(self.per_position.labels(**self.labels, position=str(i)))
+            self.seen[i] = 0
+        for i, child in enumerate(self.positions):
+            catch_up(child, self.seen, i, accepted[i] if i < len(accepted) else 0)
