@@ -85,10 +85,11 @@ def run_benchmark(name: str, json_path: str | None = None, trace: str | None = N
 
 def _print_summary(out: dict) -> None:
     w = sys.stdout.write
+    load = out["machine"]["load_average_1min"]
+    busy = "" if load is None or load < 0.5 else " (0.5 or more: other work is running or just ran: skewed timings)"
     w(f"{out['benchmark']}  ({out['model']}; numpy {out['machine']['numpy']}, "
       f"BLAS {[(b['internal_api'], b['num_threads']) for b in out['machine']['blas']]}, "
-      f"load average {out['machine']['load_average_1min']} at the start: above 0.5, other work skews the "
-      f"timings)\n")
+      f"load average {load} at the start{busy})\n")
     if out["benchmark"] == "capstone":
         _print_capstone(out)
         return
