@@ -269,17 +269,25 @@ def test_gemm_bound_times_the_kernel_the_step_uses(monkeypatch):
                       self.tiled and tiles_module.uses_tiles(len(x)))), real(self, x))[1])
     monkeypatch.setattr(bb, "median_time", lambda fn, repeats=5, warmup=1: (fn(), 1e-3)[1])
     big = tiles_module.TILED_MAX_ROWS + 1
+    tiled = {"tiled": True, "gemv_max_rows": small_batch.GEMV_MAX_ROWS}
     for m, head in ((3, True), (3, False), (1, True), (big, True)):
-        bb.matmul_seconds(m, 8, 40, head=head)
+        bb.matmul_seconds(m, 8, 40, head=head, kernels=tiled)
     # 2 to TILED_MAX_ROWS rows from tiles, as the step; else the head in column blocks
     B = small_batch.HEAD_BLOCK
     assert timed == [(3, B, False, True), (3, None, False, True), (1, B, False, False), (big, B, False, False)]
     timed.clear()
-    bound = bb.gemm_bound_tokens_per_s(accelerate(MODEL), batch=2, repeats=1)
+    bound = bb.gemm_bound_tokens_per_s(accelerate(MODEL, tiled=True), batch=2, repeats=1)
     assert bound["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
     # each layer matrix in the model's own memory order: c_attn, attn.c_proj, c_fc, mlp.c_proj; then the head
     assert timed == [(2, None, False, True), (2, None, True, True), (2, None, False, True), (2, None, True, True),
                      (2, B, False, True)]
+    # the bound times the kernels the model has: no tiles where accelerate() made none, no FastWeight for plain arrays
+    timed.clear()
+    bb.gemm_bound_tokens_per_s(accelerate(MODEL, tiled=False), batch=2, repeats=1)
+    assert [t[3] for t in timed] == [False] * 5
+    timed.clear()
+    plain = bb.gemm_bound_tokens_per_s(MODEL, batch=2, repeats=1)
+    assert timed == [] and plain["seconds_per_step"] == pytest.approx((MODEL.config.n_layer * 4 + 1) * 1e-3)
 
 
 def test_warm_up_serves_every_numpy_strategy_and_builds_the_tiles(monkeypatch):

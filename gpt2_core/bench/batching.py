@@ -30,6 +30,7 @@ from ..ch02_kv_cache.kv_cache import generate_stream
 from ..ch03_batching.kv_store import ContiguousKVStore
 from ..a1_cpu_kernels import FastWeight, accelerate
 from ..a1_cpu_kernels.small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, gemm, gemm_rows, padded_gemm
+from ..a1_cpu_kernels.tiles import small_kernel_here
 from ..ch03_batching.model_runner import Chunk, ragged_forward
 from ..ch03_batching.sequence import FinishReason, Request, SequenceMetrics
 from .replay import arrival_batches, replay, replay_static
@@ -154,16 +155,28 @@ def sequential_intervals(outputs) -> list:
 
 
 def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False,
-                   column_major: bool = False) -> float:
-    """Seconds of one float32 [m, k] x [k, n] product, run the way the accelerated ragged step runs it (a
-    ``cpu_kernels.FastWeight``: from the weight's tiles for 2 to 64 rows, else in ``HEAD_BLOCK`` column blocks for
-    the LM head (``head=True``)), with the [k, n] weight column-major if the model keeps it so (``column_major``)."""
+                   column_major: bool = False, kernels: dict | str | None = None) -> float:
+    """Seconds of one float32 [m, k] x [k, n] product, run the way the step runs it: ``kernels`` are the
+    ``cpu_kernels.FastWeight`` settings of the model's weights (``weight_kernels``; None: ``accelerate()``'s on this
+    machine), or ``"plain"`` for an array (the chapter code's ``x @ W``). A FastWeight multiplies from the weight's
+    tiles for 2 to 64 rows if tiled, and the LM head (``head=True``) in ``HEAD_BLOCK`` column blocks; the [k, n]
+    weight is column-major if the model keeps it so (``column_major``)."""
     rng = np.random.default_rng(0)
     A = rng.standard_normal((m, k), dtype=np.float32)
-    B = FastWeight(np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C"),
-                   block=HEAD_BLOCK if head else None)
-    B.tiles()  # made before the clock starts
+    B = np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C")
+    if kernels != "plain":
+        settings = kernels or {"tiled": small_kernel_here(), "gemv_max_rows": GEMV_MAX_ROWS}
+        B = FastWeight(B, block=HEAD_BLOCK if head else None, **settings)
+        if B.tiled:
+            B.tiles()  # made before the clock starts
     return median_time(lambda: A @ B, repeats=repeats)
+
+
+def weight_kernels(weight) -> dict | str:
+    """How a step multiplies by ``weight``: a ``FastWeight``'s settings, or ``"plain"`` for an array."""
+    if isinstance(weight, FastWeight):
+        return {"tiled": weight.tiled, "gemv_max_rows": weight.gemv_max_rows}
+    return "plain"
 
 
 def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> dict:
@@ -174,9 +187,11 @@ def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> d
     E, V, L = model.config.n_embd, model.config.vocab_size, model.config.n_layer
     weights = step_weights(model)[:4]  # the first block's
     shapes = [w.shape for w in weights]  # [E, 3E], [E, E], [E, 4E], [4E, E]
-    per_layer = {f"{k}x{n}": matmul_seconds(batch, k, n, repeats=repeats, column_major=np.isfortran(w))
+    kernels = weight_kernels(model.params["h"][0]["attn"]["c_attn"]["weight"])  # tiles or not, as the model has them
+    per_layer = {f"{k}x{n}": matmul_seconds(batch, k, n, repeats=repeats, column_major=np.isfortran(w),
+                                            kernels=kernels)
                  for (k, n), w in zip(shapes, weights)}  # each in the memory order the model keeps it
-    head = matmul_seconds(batch, E, V, repeats=max(3, repeats // 2), head=True)
+    head = matmul_seconds(batch, E, V, repeats=max(3, repeats // 2), head=True, kernels=kernels)
     seconds = L * sum(per_layer.values()) + head
     flops = 2 * batch * (L * sum(k * n for k, n in shapes) + E * V)
     return {"seconds_per_step": seconds, "tokens_per_s": batch / seconds, "gemm_flops_per_s": flops / seconds,
