@@ -101,7 +101,7 @@ def quiet_arguments(parser: argparse.ArgumentParser, what: str, argv=None) -> ar
 
 def quiet_start(label: str, args: argparse.Namespace) -> tuple[float, dict]:
     """The load once the machine is quiet (``SystemExit`` if it never gets there) and the machine's limits then."""
-    load = wait_for_quiet(args.max_load, args.patience)  # before the limits are measured, which load the cores themselves for a few seconds
+    load = wait_for_quiet(args.max_load, args.patience)  # read before the limits: measuring them loads the cores
     if load >= args.max_load:
         raise SystemExit(f"{label}: the 1-minute load is {load} (>= {args.max_load}): the machine is not quiet; "
                          f"stop what else runs and try again")
