@@ -292,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="...and more than this many times as many is overloaded: the least loaded gets the request")
     rt.add_argument("--max-body-bytes", type=int, default=1 << 20,
                     help="a request body larger than this gets 413 from the router (default: 1 MiB, as a server)")
+    rt.add_argument("--header-timeout-s", type=float, default=10.0,
+                    help="a connection whose request headers are not all in within this many seconds is closed (a "
+                         "408 if part of a request came), as a server's (default: 10)")
+    rt.add_argument("--body-timeout-s", type=float, default=30.0,
+                    help="a request whose body is not all in this many seconds after its headers gets 408 from the "
+                         "router, as from a server (default: 30)")
     rt.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     rt.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     rt.set_defaults(func=_route)
