@@ -37,6 +37,7 @@ import nbformat
 import pytest
 
 from gpt2_core import classroom
+from gpt2_core.ch07_serving.launch import blas_env
 from gpt2_core.classroom import (HIDDEN_BEGIN, HIDDEN_END, SOLUTION_BEGIN, SOLUTION_END, Course, cell_source,
                                  chapter_notebooks, nbgrader_cells, read_notebook, strip_solution_markers)
 
@@ -47,8 +48,9 @@ except ImportError as e:  # pragma: no cover
 
 CHAPTERS = chapter_notebooks()
 IDS = [p.stem for p in CHAPTERS]
-# nbgrader calls at once, each grading one chapter: a graded notebook is mostly single-threaded Python, and
-# chapters graded side by side on CI's 2 cores take less wall time than one after the other (measured below).
+# nbgrader calls at once, each grading one chapter with one BLAS thread: a graded notebook is mostly
+# single-threaded Python on a 2-layer model, so two chapters side by side keep CI's 2 cores busy. (Two graders
+# with two BLAS threads each fight over the cores: measured, the round trip then took 833 s, chapters 3x slower.)
 GRADERS = 2
 # seconds one chapter's submissions took to grade in a round trip (its printed report), to start the slowest first
 GRADING_SECONDS = {"01_naive_forward": 39, "02_kv_cache": 80, "03_batching": 59, "04_paged_kv_cache": 149,
@@ -148,6 +150,21 @@ def delegated_in(student: str, chapter: str) -> set[str]:
             if c.kind == "solution" and c.grade_id in DELEGATING}
 
 
+@contextlib.contextmanager
+def child_environment(values: dict):
+    """``values`` in ``os.environ`` (what the processes started meanwhile inherit), the old values back after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def write_notebook(nb: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(nb, indent=1))
@@ -185,7 +202,7 @@ def round_trip(tmp_path_factory, request) -> RoundTrip:
         return chapter, time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(GRADERS) as pool:  # the slowest chapters first, so that the two queues end together
+    with child_environment(blas_env(1)), ThreadPoolExecutor(GRADERS) as pool:  # the slowest chapters first
         for chapter, dt in pool.map(grade, sorted(IDS, key=lambda c: -GRADING_SECONDS.get(c, 60))):
             seconds[f"autograde {chapter}"] = dt
     seconds[f"autograde (all chapters, {GRADERS} at a time)"] = time.perf_counter() - t0
