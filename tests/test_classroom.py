@@ -49,13 +49,15 @@ except ImportError as e:  # pragma: no cover
 CHAPTERS = chapter_notebooks()
 IDS = [p.stem for p in CHAPTERS]
 # nbgrader calls at once, each grading one chapter with one BLAS thread: a graded notebook is mostly
-# single-threaded Python on a 2-layer model, so two chapters side by side keep CI's 2 cores busy. (Two graders
-# with two BLAS threads each fight over the cores: measured, the round trip then took 833 s, chapters 3x slower.)
+# single-threaded Python on a 2-layer model, so two chapters side by side keep CI's 2 cores busy. Measured on 2
+# cores (2026-12-07): the round trip's grading took 353 s so; with two BLAS threads a grader, four threads fighting
+# over two cores, 833 s; one chapter after the other, four submissions a chapter, 1,331 s on an earlier host.
 GRADERS = 2
-# seconds one chapter's submissions took to grade in a round trip (its printed report), to start the slowest first
-GRADING_SECONDS = {"01_naive_forward": 39, "02_kv_cache": 80, "03_batching": 59, "04_paged_kv_cache": 149,
-                   "05_prefix_caching": 45, "06_quantization": 137, "07_serving": 54, "08_parallelism": 229,
-                   "09_modern_model": 88, "10_speculative_decoding": 135, "11_capstone": 303}
+# seconds one chapter's submissions took to grade (the round trip's printed report, 2026-12-07): the slowest start
+# first, so that the two queues end together
+GRADING_SECONDS = {"01_naive_forward": 20, "02_kv_cache": 52, "03_batching": 40, "04_paged_kv_cache": 95,
+                   "05_prefix_caching": 29, "06_quantization": 59, "07_serving": 33, "08_parallelism": 154,
+                   "09_modern_model": 93, "10_speculative_decoding": 58, "11_capstone": 55}
 
 
 # --- building submissions --------------------------------------------------------------------------------------
