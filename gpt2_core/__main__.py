@@ -176,6 +176,16 @@ def _classroom(args) -> int:
     return cli(args)
 
 
+def add_clock_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--header-timeout-s`` and ``--body-timeout-s``: the clocks of ``serve`` and ``route`` alike."""
+    parser.add_argument("--header-timeout-s", type=float, default=10.0,
+                        help="a connection whose request headers are not all in within this many seconds is closed "
+                             "(a 408 if part of a request came): slow clients cannot hold connections (default: 10)")
+    parser.add_argument("--body-timeout-s", type=float, default=30.0,
+                        help="a request whose body is not all in this many seconds after its headers gets 408 "
+                             "(default: 30)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m gpt2_core", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -263,12 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. http://localhost:3000, or '*' for any); default: none")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="a request body larger than this gets 413 (default: 1 MiB)")
-    s.add_argument("--header-timeout-s", type=float, default=10.0,
-                   help="a connection whose request headers are not all in within this many seconds is closed (a "
-                        "408 if part of a request came): slow clients cannot hold connections (default: 10)")
-    s.add_argument("--body-timeout-s", type=float, default=30.0,
-                   help="a request whose body is not all in this many seconds after its headers gets 408 "
-                        "(default: 30)")
+    add_clock_arguments(s)
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="info: also one access-log line per request, with its X-Request-Id (default: warning)")
     s.set_defaults(func=_serve)
@@ -292,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="...and more than this many times as many is overloaded: the least loaded gets the request")
     rt.add_argument("--max-body-bytes", type=int, default=1 << 20,
                     help="a request body larger than this gets 413 from the router (default: 1 MiB, as a server)")
+    add_clock_arguments(rt)
     rt.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     rt.add_argument("serve_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     rt.set_defaults(func=_route)

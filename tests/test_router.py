@@ -142,7 +142,8 @@ def test_policy_names_urls_and_cli_defaults():
 
 def test_route_refuses_bad_arguments_in_one_line():
     for args, message in ((["route"], "route needs servers"), (["route", "--replica", "localhost:1"], "--replica"),
-                          (["route", "--replica", "http://h:1", "--balance-rel", "0.5"], "--balance-rel")):
+                          (["route", "--replica", "http://h:1", "--balance-rel", "0.5"], "--balance-rel"),
+                          (["route", "--replicas", "2", "--body-timeout-s", "0"], "--body-timeout-s must be a positive")):
         r = subprocess.run([sys.executable, "-m", "gpt2_core", *args], capture_output=True, text=True, timeout=60,
                            cwd=ROOT)
         assert r.returncode == 2 and r.stderr.startswith("error:") and message in r.stderr, r.stderr
@@ -305,9 +306,21 @@ def test_tokenize_detokenize_version_and_model_cards_through_the_router(affinity
 
 def test_the_router_refuses_what_a_server_refuses_before_holding_it(replicas):
     """Chapter 7's checks run in the router too, before it reads a body into memory or picks a replica: a body
-    over ``route --max-body-bytes`` gets 413 (announced or not), a body that is not JSON 415; neither reaches a
-    replica (no ``x-gpt2-replica``), and a body within the limit is served."""
-    with RouterProcess(*(a for s in replicas for a in ("--replica", s.url)), "--max-body-bytes", "5000") as router:
+    over ``route --max-body-bytes`` gets 413 (announced or not), a body that is not JSON 415, headers or a body
+    slower than ``--header-timeout-s`` / ``--body-timeout-s`` a 408 naming that flag and the connection closed; none
+    reaches a replica (no ``x-gpt2-replica``), and a body within the limits is served."""
+    with RouterProcess(*(a for s in replicas for a in ("--replica", s.url)), "--max-body-bytes", "5000",
+                       "--header-timeout-s", "1", "--body-timeout-s", "1") as router:
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        body_late = b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":"
+        for sent, clock in ((body_late, b"--body-timeout-s"), (b"Content-Type: app", b"--header-timeout-s")):
+            # ... then nothing more: the router's 408, within a few seconds, and the connection closed
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + sent)
+                t0 = time.perf_counter()
+                answer = sock.makefile("rb").read()  # up to the close
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and clock in answer, answer
+            assert b"x-gpt2-replica" not in answer.lower() and time.perf_counter() - t0 < 10
         big = json.dumps({"model": MODEL, "prompt": "x" * 6000}).encode()
         json_type = {"content-type": "application/json"}
         r = httpx.post(router.base_url + "/completions", content=big, headers=json_type)

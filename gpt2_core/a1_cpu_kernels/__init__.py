@@ -6,7 +6,7 @@ setting the benchmarks use. The benchmarks (``python -m gpt2_core bench ...``) r
 default and record it; ``notebooks/A1_cpu_performance.ipynb`` measures each piece.
 """
 
-from .fast_model import FastWeight, TiedEmbedding, accelerate, array_of, plain
+from .fast_model import FastWeight, TiedEmbedding, accelerate, array_of, default_kernels, plain
 from .malloc import keep_freed_memory
 
-__all__ = ["FastWeight", "TiedEmbedding", "accelerate", "array_of", "plain", "keep_freed_memory"]
+__all__ = ["FastWeight", "TiedEmbedding", "accelerate", "array_of", "default_kernels", "plain", "keep_freed_memory"]

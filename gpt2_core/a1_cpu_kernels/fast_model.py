@@ -92,16 +92,22 @@ def array_of(a) -> np.ndarray:
     return a.array if isinstance(a, (FastWeight, TiedEmbedding)) else a
 
 
+def default_kernels() -> dict:
+    """The ``FastWeight`` settings ``accelerate(model)`` gives by default on this machine: tiles where this BLAS has
+    the small-matrix kernel they need (``small_kernel_here()``), one GEMV per row up to ``GEMV_MAX_ROWS`` rows."""
+    return {"tiled": small_kernel_here(), "gemv_max_rows": GEMV_MAX_ROWS}
+
+
 def accelerate(model: GPT2Model, tiled: bool | None = None, gemv_max_rows: int = GEMV_MAX_ROWS,
                column_major: bool = True) -> GPT2Model:
     """``model`` with every matmul weight in a ``FastWeight`` (and the head in a ``TiedEmbedding``); biases, layer
     norms and position embeddings are shared with ``model``. ``tiled``, ``gemv_max_rows``: ``FastWeight``'s
-    (``tiled=None``: tiles where this BLAS has the small-matrix kernel they need, ``small_kernel_here()``);
+    (``tiled=None``: as ``default_kernels()``, tiles where this BLAS has the small-matrix kernel they need);
     ``column_major``: keep the two output projections column-major (else as the checkpoint has them). An
     accelerated model given here gets the new kernel settings and keeps its arrays (and their order) and tiles."""
     spare = sum(array_of(a).nbytes for a in model.state_dict().values())  # tiles only while this much stays free
     if tiled is None:
-        tiled = small_kernel_here()
+        tiled = default_kernels()["tiled"]
 
     def fast(weight, order="C", block=None):
         if isinstance(weight, FastWeight):

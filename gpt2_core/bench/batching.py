@@ -28,9 +28,8 @@ from .kv_cache import gemv_bandwidth, hf_reference_model, step_weights, weight_b
 from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..ch02_kv_cache.kv_cache import generate_stream
 from ..ch03_batching.kv_store import ContiguousKVStore
-from ..a1_cpu_kernels import FastWeight, accelerate
+from ..a1_cpu_kernels import FastWeight, accelerate, default_kernels
 from ..a1_cpu_kernels.small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, gemm, gemm_rows, padded_gemm
-from ..a1_cpu_kernels.tiles import small_kernel_here
 from ..ch03_batching.model_runner import Chunk, ragged_forward
 from ..ch03_batching.sequence import FinishReason, Request, SequenceMetrics
 from .replay import arrival_batches, replay, replay_static
@@ -165,7 +164,7 @@ def matmul_seconds(m: int, k: int, n: int, repeats: int = 5, head: bool = False,
     A = rng.standard_normal((m, k), dtype=np.float32)
     B = np.asarray(rng.standard_normal((k, n), dtype=np.float32), order="F" if column_major else "C")
     if kernels != "plain":
-        settings = kernels or {"tiled": small_kernel_here(), "gemv_max_rows": GEMV_MAX_ROWS}
+        settings = kernels or default_kernels()
         B = FastWeight(B, block=HEAD_BLOCK if head else None, **settings)
         if B.tiled:
             B.tiles()  # made before the clock starts

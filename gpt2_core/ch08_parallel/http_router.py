@@ -7,8 +7,8 @@ one of them, chosen by a policy of ``gpt2_core.ch08_parallel.routing``: ``round_
 starts with the text of the turns before). ``/tokenize`` and ``/detokenize`` go the same way, without a prompt to
 hash; ``/v1/models``, ``/v1/models/{id}`` and ``/version`` are asked of the first replica alive. What a request
 goes through is chapter 7's (``middleware_stack``): request ids, JSON bodies only, a body limit (the router
-holds a body whole before it forwards it: ``max_body_bytes``, 1 MiB as a server's), a clock on the body,
-OpenAI-shaped errors.
+holds a body whole before it forwards it: ``max_body_bytes``, 1 MiB as a server's), clocks on the headers and the
+body (``--header-timeout-s``, ``--body-timeout-s``: a slow client gets its 408 from the router), OpenAI-shaped errors.
 
 A replica that refuses connections, drops a request or fails its health probe (every second) is taken out of
 rotation: its requests in flight get a 502 (or, streaming, an error event that ends the stream) naming it, never a
@@ -46,6 +46,7 @@ from .routing import block_hashes, make_policy
 from ..ch07_serving.metrics import RouterMetrics
 from ..ch07_serving.middleware import EXCEPTION_HANDLERS, MAX_BODY_BYTES, middleware_stack
 from ..ch07_serving.protocol import BadRequest
+from ..ch07_serving.slow_clients import BODY_TIMEOUT_S, check_seconds
 
 log = logging.getLogger("gpt2_core.router")
 
@@ -326,10 +327,12 @@ async def _close(upstream: httpx.Response) -> None:
 
 
 def make_router_app(urls: list[str], policy: str = "prefix_affinity", max_body_bytes: int = MAX_BODY_BYTES,
-                    **router_args) -> Starlette:
+                    body_timeout_s: float = BODY_TIMEOUT_S, **router_args) -> Starlette:
     """The ASGI app routing to the servers at ``urls``; ``app.state.router`` is the ``Router``. The health probe
-    runs with the app (its lifespan). A body over ``max_body_bytes`` gets a 413 here, before the router holds it."""
-    middleware = middleware_stack(max_body_bytes=max_body_bytes)  # its checks before the router is built
+    runs with the app (its lifespan). A body over ``max_body_bytes`` gets a 413 here, before the router holds it;
+    one not whole ``body_timeout_s`` after its headers, a 408 (chapter 7's clocks, ``slow_clients``)."""
+    middleware = middleware_stack(max_body_bytes=max_body_bytes,
+                                  body_timeout_s=body_timeout_s)  # its checks before the router is built
     router = Router(urls, policy, **router_args)
 
     @contextlib.asynccontextmanager
@@ -368,17 +371,19 @@ def route_main(args) -> int:
         raise InvalidInputError("--balance-abs must be >= 0 and --balance-rel >= 1")
     for url in args.replica:
         replica_url(url)  # a bad URL is reported before any server starts
+    check_seconds("--header-timeout-s", args.header_timeout_s)  # and so is a bad clock
+    check_seconds("--body-timeout-s", args.body_timeout_s)
     started = []
     try:
         started = start_servers(args.replicas, *serve_args, threads=1) if args.replicas else []
         urls = [*args.replica, *(s.url for s in started)]
         policy_args = {"balance_abs": args.balance_abs, "balance_rel": args.balance_rel}
-        app = make_router_app(urls, args.policy, args.max_body_bytes,
+        app = make_router_app(urls, args.policy, args.max_body_bytes, args.body_timeout_s,
                               **(policy_args if args.policy == "prefix_affinity" else {}))
         sock, host, port = listen(args.host, args.port)
         print(f"routing to {len(urls)} replicas ({args.policy}) on http://{host}:{port}/v1 "
               f"(metrics: http://{host}:{port}/metrics)", flush=True)
-        run_app(app, sock, args.log_level, graceful_shutdown_s=5.0)
+        run_app(app, sock, args.log_level, graceful_shutdown_s=5.0, header_timeout_s=args.header_timeout_s)
     finally:
         for server in started:
             server.stop()
