@@ -146,3 +146,24 @@ def drop_stream_after_first_event(port: int, body: dict, timeout: float = 60.0) 
             if not line:
                 return False
         return True
+
+
+# Requests that stop half way, then stay silent: one in its body (the body clock, ``--body-timeout-s``, must end it),
+# one in its headers (the header clock, ``--header-timeout-s``).
+STALLED = ((b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":", b"--body-timeout-s"),
+           (b"Content-Type: app", b"--header-timeout-s"))
+
+
+def stalled_answers(url: str, headers: bytes = b"") -> list[tuple[bytes, bytes, float]]:
+    """Each ``STALLED`` request sent to ``url`` (``http://host:port``) as ``POST /v1/completions`` with ``headers``
+    (``b"Name: value\\r\\n"`` lines), then nothing more: [(the flag of the clock that should end it, all that came
+    back up to the close, seconds from the last byte sent to the close)]."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    out = []
+    for sent, clock in STALLED:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + sent)
+            t0 = time.perf_counter()
+            answer = sock.makefile("rb").read()  # up to the close
+        out.append((clock, answer, time.perf_counter() - t0))
+    return out

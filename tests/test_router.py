@@ -27,6 +27,7 @@ from gpt2_core.ch08_parallel.routing import BALANCE_ABS, BALANCE_REL, PrefixAffi
 from gpt2_core.ch07_serving.launch import RouterProcess, ServerProcess, start_servers
 from gpt2_core.ch08_parallel.http_router import replica_url
 from helpers import CHAT, ROOT, chat_model_folder, wait_until
+from http_sockets import stalled_answers
 
 MODEL = "gpt2-numpy-embedded"
 SYSTEM = ("You are a helpful assistant who answers in the style of Jane Austen, briefly, politely, and always "
@@ -311,16 +312,10 @@ def test_the_router_refuses_what_a_server_refuses_before_holding_it(replicas):
     reaches a replica (no ``x-gpt2-replica``), and a body within the limits is served."""
     with RouterProcess(*(a for s in replicas for a in ("--replica", s.url)), "--max-body-bytes", "5000",
                        "--header-timeout-s", "1", "--body-timeout-s", "1") as router:
-        host, port = router.url.removeprefix("http://").rsplit(":", 1)
-        body_late = b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":"
-        for sent, clock in ((body_late, b"--body-timeout-s"), (b"Content-Type: app", b"--header-timeout-s")):
-            # ... then nothing more: the router's 408, within a few seconds, and the connection closed
-            with socket.create_connection((host, int(port)), timeout=30) as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + sent)
-                t0 = time.perf_counter()
-                answer = sock.makefile("rb").read()  # up to the close
+        for clock, answer, seconds in stalled_answers(router.url):
+            # the router's 408, within a few seconds, and the connection closed
             assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and clock in answer, answer
-            assert b"x-gpt2-replica" not in answer.lower() and time.perf_counter() - t0 < 10
+            assert b"x-gpt2-replica" not in answer.lower() and seconds < 10
         big = json.dumps({"model": MODEL, "prompt": "x" * 6000}).encode()
         json_type = {"content-type": "application/json"}
         r = httpx.post(router.base_url + "/completions", content=big, headers=json_type)

@@ -16,6 +16,7 @@ import pytest
 from gpt2_core import kv_cache, load_model
 from gpt2_core.ch07_serving.launch import ServerProcess
 from helpers import ROOT, wait_until
+from http_sockets import stalled_answers
 
 MODEL = "gpt2-numpy-embedded"
 PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever, and rich",
@@ -394,14 +395,10 @@ def test_the_hardening_flags_work_from_the_command_line():
             "authorization": "Bearer k1", "origin": "http://ui.example"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert r.headers["access-control-allow-origin"] == "http://ui.example"
-        host, port = s.url.removeprefix("http://").rsplit(":", 1)
-        body_late = b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":"
-        for sent, clock in ((body_late, b"--body-timeout-s"), (b"Content-Type: app", b"--header-timeout-s")):
-            # ... then nothing more: a 408 naming the clock, and the connection closed
-            with socket.create_connection((host, int(port)), timeout=30) as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n" + sent)
-                answer = sock.makefile("rb").read()  # up to the close
+        for clock, answer, _ in stalled_answers(s.url, b"Authorization: Bearer k1\r\n"):
+            # a 408 naming the clock, and the connection closed
             assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and clock in answer, answer
+        host, port = s.url.removeprefix("http://").rsplit(":", 1)
         with socket.create_connection((host, int(port))) as sock:  # the review's D5: half a body, then gone
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\nContent-Type: "
                          b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\":")
