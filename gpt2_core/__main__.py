@@ -158,10 +158,9 @@ def _accelerated(model):
     """The appendix's kernels and allocator setting under the server's model (``serve`` without ``--plain``): the
     CLI chooses them, so that chapter 7's code never imports the appendix."""
     from .a1_cpu_kernels import accelerate, keep_freed_memory
-    from .loading.weights import GPT2Model
 
     keep_freed_memory()
-    return accelerate(model) if isinstance(model, GPT2Model) else model  # the kernels know GPT-2's weights only
+    return accelerate(model)  # GPT-2's weights or chapter 9's Llama's
 
 
 def _route(args) -> int:

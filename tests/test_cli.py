@@ -282,6 +282,11 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
         assert {"naive", "kv_cache", "continuous", "compute_bound"} <= {r["method"] for r in data["results"]}
     else:
         assert data["kernels"] == "cpu_kernels.accelerate"
+    if args[1] == "spec":  # the editing workload on the real instruct model (installed in CI): the same text, faster
+        [row] = data["editing"]
+        assert row["identical_to_greedy"] and row["speedup"] > 0 and 0 <= row["alpha"] <= 1
+        assert row["num_draft_tokens"] > 0 and row["tokens_per_pass"] >= 1
+        assert any(k.endswith("on the editing workload") for k in data["targets_met"])
     assert data["results"] and all(rec["tokens_per_s"] > 0 for rec in data["results"])
 
 

@@ -59,6 +59,32 @@ def test_accelerate_keeps_the_numbers_and_plain_gives_the_arrays_back():
     assert w2.array is w.array and (w2.tiled, w2.gemv_max_rows) == (False, 1) and w2._kept is w._kept
 
 
+def test_chapter_9s_llama_runs_unchanged_on_an_accelerated_model():
+    """Each block's seven matrices and the tied head in FastWeights; forward, greedy decoding and speculative
+    verify passes (several rows: the tiles) as on the plain model; ``plain`` gives the arrays back."""
+    from gguf_helpers import TINY_LLAMA
+
+    from gpt2_core.ch09_modern_model import model as llama
+    from gpt2_core.ch10_speculative import speculative
+    from gpt2_core.ch10_speculative.drafters import OracleDrafter
+    from gpt2_core.loading.llama import random_llama
+
+    model = random_llama(TINY_LLAMA)
+    ids = np.arange(1, 9)
+    want = kv_cache.generate(model, ids, 12, stop_at_eos=False)
+    for tiled in (False, True):
+        fast = accelerate(model, tiled=tiled)
+        assert all(isinstance(fast.params["blk"][i][k], FastWeight) for i in range(TINY_LLAMA.n_layer)
+                   for k in fast_model.LLAMA_MATRICES)
+        assert isinstance(fast.params["token_embd"].T, FastWeight)
+        np.testing.assert_allclose(llama.forward(fast, ids), llama.forward(model, ids), rtol=1e-4, atol=1e-4)
+        assert kv_cache.generate(fast, ids, 12, stop_at_eos=False) == want
+        drafter = OracleDrafter([ids.tolist() + want], 0.7, TINY_LLAMA.vocab_size, seed=0)
+        assert speculative.generate(fast, ids, 12, stop_at_eos=False, drafter=drafter, k=4) == want
+    for key, a in plain(fast).state_dict().items():
+        assert type(a) is np.ndarray and np.array_equal(a, model.state_dict()[key]), key
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 

@@ -132,7 +132,7 @@ needs_numba = pytest.mark.skipif(not quant_kernels.numba_available(), reason="nu
 
 @needs_numba
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("shape", [(768, 2304), (3072, 768), (64, 5)])
+@pytest.mark.parametrize("shape", [(768, 2304), (3072, 768), (64, 5), (96, 130)])  # 130: a tile of 64 and part
 @pytest.mark.parametrize("rows", [1, 3, 32])
 def test_numba_kernel_equals_the_numpy_reference(fmt, shape, rows):
     rng = np.random.default_rng(rows)
@@ -143,6 +143,32 @@ def test_numba_kernel_equals_the_numpy_reference(fmt, shape, rows):
     scale = np.abs(x) @ np.abs(W.dequantize())  # sum |x| |w| per output
     assert kernel.dtype == np.float32 and kernel.shape == reference.shape
     assert np.all(np.abs(kernel - reference) <= 1e-5 * scale + 1e-7)
+
+
+def test_int4_tiles_hold_each_channels_inputs_in_pairs_64_channels_a_tile():
+    rng = np.random.default_rng(0)
+    q = rng.integers(-8, 8, (130, 96)).astype(np.int8)  # [out, in]
+    scales = rng.random((130, 3), dtype=np.float32)
+    tiles, tile_scales = quant_kernels.int4_tiles(Q.pack_int4(q, 32), scales, 32)
+    assert tiles.shape == (3, 48, 64) and tile_scales.shape == (3, 3, 64)
+    j = np.arange(130)
+    t, c = j // 64, j % 64
+    assert np.array_equal(tiles[t, :, c] & 15, q[:, 0::2] + 8)  # input 2i: the low nibble of byte i
+    assert np.array_equal(tiles[t, :, c] >> 4, q[:, 1::2] + 8)  # input 2i + 1: the high one
+    assert np.array_equal(tile_scales[t, :, c], scales)
+    assert not tiles[2, :, 2:].any() and not tile_scales[2, :, 2:].any()  # the last tile's padding
+
+
+@needs_numba
+def test_the_batch_1_int4_kernel_keeps_its_tiles_with_the_weight():
+    W = Q.quantize_weight(np.random.default_rng(0).standard_normal((64, 70), dtype=np.float32), "int4", 32)
+    fast = W.with_kernel("numba")
+    x = np.ones(64, dtype=np.float32)
+    np.testing.assert_allclose(x @ fast, x @ W, rtol=1e-5, atol=1e-5)
+    tiles = fast.tiles
+    x @ fast
+    assert fast.tiles is tiles and "tiles" not in W.__dict__  # made once, on the weight that multiplied
+    assert fast.nbytes == W.nbytes  # what the format stores; the tiles are the kernel's copy
 
 
 @needs_numba

@@ -481,3 +481,23 @@ def test_spec_stats_count_accepted_drafts_by_position():
     assert stats.accepted_per_position == [2, 2, 1, 1]
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens == 6
     assert (stats.num_passes, stats.num_draft_tokens, stats.num_rejections) == (3, 10, 2)
+
+
+@pytest.mark.parametrize("spec", ["ngram:4", "draft:int8:3"])
+def test_chapter_9s_llama_runs_in_the_speculative_engine_with_the_plain_engines_tokens(spec):
+    """The engine and both drafters reach chapter 9's model step through chapter 3's ``model_step``: the same
+    greedy tokens as chapter 2's loop, every block back."""
+    from gguf_helpers import TINY_LLAMA
+
+    from gpt2_core.ch10_speculative.drafters import make_drafter
+    from gpt2_core.loading.llama import random_llama
+
+    model = random_llama(TINY_LLAMA)
+    prompts = [list(range(1, 9)) * 2, list(range(20, 30)) * 2, [5, 6, 7]]
+    want = [kv_cache.generate(model, p, 12, stop_at_eos=False) for p in prompts]
+    drafter, k = make_drafter(spec, model, num_blocks=64)
+    store = SpeculativeKVStore(model.config, 64, 4)
+    engine = SpeculativeEngine(model, drafter, k, store, max_num_seqs=4)
+    outs = engine.generate_many([Request(i, p, max_new_tokens=12, stop_at_eos=False) for i, p in enumerate(prompts)])
+    assert [o.output_token_ids for o in outs] == want
+    assert engine.spec_stats.num_draft_tokens > 0 and store.manager.num_free_blocks == 64

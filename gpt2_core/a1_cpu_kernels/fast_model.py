@@ -7,6 +7,10 @@ Chapter code multiplies as it always does (chapter 1's ``linear`` is ``x @ weigh
 copies change only how they lie in memory: the output projections are kept column-major (a GEMV streams them
 faster here) and the tied LM head gets its own contiguous [E, V] copy (``x @ wte.T`` reads wte through a
 transposed view). Every chapter runs unchanged on an accelerated model; no chapter imports this package.
+
+Chapter 9's Llama (``LlamaModel``) is accelerated the same way: each block's seven matrices in ``FastWeight``s (kept
+in their own row-major order: the column-major projections were measured on GPT-2's shapes only) and the tied
+embedding's head in a ``TiedEmbedding``.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..loading.llama import LlamaModel
 from ..loading.memory import available_memory_bytes
 from ..loading.weights import GPT2Model
 from .small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, small_batch_matmul
 from .tiles import small_kernel_here, tile_bytes, tile_weight, tiled_matmul, uses_tiles
 
 COLUMN_MAJOR = (("attn", "c_proj"), ("mlp", "c_proj"))  # (module, layer) kept column-major
+LLAMA_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # a block's matmuls
 
 
 class _Wrapper:
@@ -98,7 +104,7 @@ def default_kernels() -> dict:
     return {"tiled": small_kernel_here(), "gemv_max_rows": GEMV_MAX_ROWS}
 
 
-def accelerate(model: GPT2Model, tiled: bool | None = None, gemv_max_rows: int = GEMV_MAX_ROWS,
+def accelerate(model: GPT2Model | LlamaModel, tiled: bool | None = None, gemv_max_rows: int = GEMV_MAX_ROWS,
                column_major: bool = True) -> GPT2Model:
     """``model`` with every matmul weight in a ``FastWeight`` (and the head in a ``TiedEmbedding``); biases, layer
     norms and position embeddings are shared with ``model``. ``tiled``, ``gemv_max_rows``: ``FastWeight``'s
@@ -115,6 +121,8 @@ def accelerate(model: GPT2Model, tiled: bool | None = None, gemv_max_rows: int =
         array = np.asfortranarray(weight) if order == "F" else np.ascontiguousarray(weight)
         return FastWeight(array, tiled=tiled, gemv_max_rows=gemv_max_rows, block=block, spare_bytes=spare)
 
+    if isinstance(model, LlamaModel):
+        return _accelerate_llama(model, fast)
     params = dict(model.params)
     wte = model.params["wte"]  # wte.T: a FastWeight already, or a transposed view that fast() copies contiguous
     params["wte"] = TiedEmbedding(array_of(wte), fast(wte.T, block=HEAD_BLOCK))
@@ -130,8 +138,23 @@ def accelerate(model: GPT2Model, tiled: bool | None = None, gemv_max_rows: int =
     return replace(model, params=params)
 
 
+def _accelerate_llama(model: LlamaModel, fast) -> LlamaModel:
+    """``accelerate`` for chapter 9's model: the blocks' matrices, and the head ([V, E] tables used as ``.T``)."""
+    params = dict(model.params)
+    for name in ("token_embd", "output"):  # output: a head of its own, when the file has one
+        if name in params:
+            table = params[name]
+            params[name] = TiedEmbedding(array_of(table), fast(table.T, block=HEAD_BLOCK))
+    params["blk"] = [{k: fast(w) if k in LLAMA_MATRICES else w for k, w in p.items()} for p in model.params["blk"]]
+    return replace(model, params=params)
+
+
 def plain(model: GPT2Model) -> GPT2Model:  # the inverse of accelerate
     """``model`` with plain arrays again (the same numbers)."""
+    if isinstance(model, LlamaModel):
+        params = {k: array_of(v) for k, v in model.params.items() if k != "blk"}
+        params["blk"] = [{k: array_of(w) for k, w in p.items()} for p in model.params["blk"]]
+        return replace(model, params=params)
     params = dict(model.params, wte=array_of(model.params["wte"]))
     params["h"] = [{**p, **{m: {n: {**layer, "weight": array_of(layer["weight"])} for n, layer in p[m].items()}
                             for m in ("attn", "mlp")}} for p in model.params["h"]]

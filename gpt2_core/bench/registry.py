@@ -186,6 +186,12 @@ def _print_spec(out: dict) -> None:
     for r in out["embedded"]:
         w(f"  embedded {r['workload']:10s} {r['drafter']:10s} alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} "
           f"tokens/pass, speed-up {r['speedup']:.2f}x, identical {r['identical_to_greedy']}\n")
+    for r in out.get("editing", []):
+        w(f"  editing (SmolLM2) k={r['k']}: alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} tokens/pass (formula "
+          f"{r['formula']:.2f}), {r['plain_tokens_per_s']:.1f} -> {r['tokens_per_s']:.1f} tok/s, speed-up "
+          f"{r['speedup']:.2f}x, identical {r['identical_to_greedy']}\n")
+    for why in out.get("skipped", {}).values():
+        w(f"  {why}\n")
     w("  tokens per pass, measured / formula (oracle, embedded model): " + ", ".join(
         f"a={r['alpha']} k={r['k']}: {r['tokens_per_pass']:.2f}/{r['formula']:.2f}" for r in out["formula"]) + "\n")
     for k, v in out["ratios"].items():

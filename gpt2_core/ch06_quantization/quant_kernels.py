@@ -12,9 +12,17 @@ These kernels read each output channel's bytes once, turn them into float32 in a
 At batch 1 that reads 1 byte a weight (int8) or half a byte (int4) instead of 4. At batch 32 the product is
 compute-bound, and BLAS's tuned GEMM beats this simple loop: the benchmark records both.
 
-Compiling takes seconds the first time a kernel runs in a process (``warm_up`` does it and returns the time);
-the benchmark keeps it out of its timings. Without numba installed, ``numba_available()`` is False, the package
-uses the numpy path, and asking for these kernels raises a ``MissingDependencyError`` naming the extra.
+One row of int4 (a batch-1 decode step) has a kernel of its own, ``int4_matvec``: unpacking is then the work, and
+the loop above unpacks 32 numbers, a group, at a time, too short for the core's vector units. It reads the bytes
+*input-major* in tiles of 64 output channels instead (``int4_tiles``: ``tiles[t, i, c]`` holds inputs 2i and 2i+1
+of channel 64t + c), so that its inner loop runs along 64 channels, four vector instructions wide, and each tile's
+bytes lie in one contiguous run (read from memory as a stream; a stride across the whole matrix ran 2x slower):
+
+    for each tile of 64 output channels, in parallel:
+        for each group g:   acc = sum over the group's inputs k of x[k] * nibble[k, tile]    # integers 0..15
+                            y[tile] += scale[g, tile] * (acc - 8 * sum(x[group]))           # the offset, once
+
+The tiled copy is made the first time a weight multiplies one row, and kept with it (half a byte a weight more).
 """
 
 from __future__ import annotations
@@ -82,7 +90,59 @@ def _compile():
                     acc += x[n, k] * w[k]
                 y[n, j] = acc
 
-    return {"int8": int8_matmul, "int4": int4_matmul}
+    return {"int8": int8_matmul, "int4": int4_matmul, "int4_matvec": _compile_matvec()}
+
+
+def _compile_matvec():
+    """The batch-1 int4 kernel (see the module's docstring)."""
+    from numba import njit, prange
+
+    @njit(fastmath=True, boundscheck=False, inline="always")
+    def add_inputs(acc, row, x0, x1):  # acc[:] += x0 * low nibbles of row + x1 * high nibbles
+        for c in range(acc.shape[0]):
+            b = np.int32(row[c])  # int32, not uint8: LLVM then vectorizes the loop
+            acc[c] += x0 * np.float32(b & 15) + x1 * np.float32(b >> 4)
+
+    @njit(parallel=True, fastmath=True, boundscheck=False, cache=False)
+    def int4_matvec(x, tiles, scales, group_size, y):  # x [1, K]; tiles [T, K/2, 64] uint8; scales [T, K/g, 64]
+        T, _, width = tiles.shape
+        M, half = y.shape[1], group_size // 2
+        for t in prange(T):
+            acc = np.empty(width, dtype=np.float32)
+            out = np.zeros(width, dtype=np.float32)
+            for g in range(scales.shape[1]):
+                acc[:] = 0.0
+                xsum = np.float32(0.0)
+                for i in range(g * half, (g + 1) * half):  # byte row i of the tile: inputs 2i and 2i + 1
+                    x0, x1 = x[0, 2 * i], x[0, 2 * i + 1]
+                    xsum += x0 + x1
+                    add_inputs(acc, tiles[t, i], x0, x1)
+                s = scales[t, g]
+                for c in range(width):
+                    out[c] += s[c] * (acc[c] - np.float32(8.0) * xsum)
+            n = min(width, M - t * width)  # the last tile may be part padding
+            y[0, t * width:t * width + n] = out[:n]
+
+    return int4_matvec
+
+
+TILE = 64  # output channels a tile of int4_tiles
+
+
+def int4_tiles(packed, scales, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``packed`` [M, K/2] and ``scales`` [M, K/g] (chapter 6's layout) -> tiles [T, K/2, 64] uint8 (``[t, i, c]``:
+    inputs 2i (low nibble) and 2i + 1 (high) of channel 64t + c, as q + 8) and scales [T, K/g, 64]; T = ceil(M / 64),
+    the last tile padded with zeros: the order ``int4_matvec`` reads."""
+    M, half = packed.shape
+    p = packed.reshape(M, half * 2 // group_size, 1, group_size // 2)
+    q = np.concatenate([p & 15, p >> 4], axis=2).reshape(M, half * 2)  # [M, K] in 0..15, in input order
+    pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # [M, K/2]: inputs 2i, 2i + 1
+    T = -(-M // TILE)
+
+    def tiled(a):  # [M, n] -> [T, n, 64]
+        a = np.pad(a, ((0, T * TILE - M), (0, 0)))
+        return np.ascontiguousarray(a.reshape(T, TILE, a.shape[1]).transpose(0, 2, 1))
+    return tiled(pairs), tiled(np.asarray(scales, dtype=np.float32))
 
 
 def kernels() -> dict:
@@ -98,6 +158,11 @@ def matmul(x, weight) -> np.ndarray:  # x [N, in] float32 C-contiguous; weight a
     y = np.empty((x.shape[0], weight.shape[1]), dtype=np.float32)
     if weight.fmt == "int8":
         k["int8"](x, weight.q, weight.scale, y)
+    elif weight.fmt == "int4" and x.shape[0] == 1:  # one row: the input-major copy, made on first use, kept
+        layout = weight.__dict__.get("tiles")
+        if layout is None:
+            layout = weight.tiles = int4_tiles(weight.packed, weight.scales, weight.group_size)
+        k["int4_matvec"](x, *layout, weight.group_size, y)
     elif weight.fmt == "int4":
         k["int4"](x, weight.packed, weight.scales, weight.group_size, y)
     else:
@@ -113,6 +178,7 @@ def warm_up() -> float:
     x, y = np.ones((1, 4), dtype=np.float32), np.empty((1, 2), dtype=np.float32)
     k["int8"](x, np.ones((2, 4), dtype=np.int8), np.ones(2, dtype=np.float32), y)
     k["int4"](x, np.full((2, 2), 0x88, dtype=np.uint8), np.ones((2, 2), dtype=np.float32), 2, y)
+    k["int4_matvec"](x, *int4_tiles(np.full((2, 2), 0x88, dtype=np.uint8), np.ones((2, 2), dtype=np.float32), 2), 2, y)
     return time.perf_counter() - t0 if fresh else 0.0
 
 

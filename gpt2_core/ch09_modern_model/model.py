@@ -166,9 +166,10 @@ def attend_chunks(store, chunks, spans, layer, q, k, v):  # q [H, N, D]; k, v [H
     return out
 
 
-def ragged_forward(model: LlamaModel, store, chunks: list[Chunk]) -> np.ndarray:
+def ragged_forward(model: LlamaModel, store, chunks: list[Chunk], logits_indices=None) -> np.ndarray:
     """Chapter 3's ``ragged_forward`` for this architecture: all chunks as one [N, E] matrix, each row rotated by
-    its own position, attention per chunk; the next-token logits of each chunk [B, V]."""
+    its own position, attention per chunk; the next-token logits of each chunk [B, V] (or of the rows
+    ``logits_indices`` names, [R, V], as chapter 3's)."""
     cfg, params = model.config, model.params
     lengths = [len(c.token_ids) for c in chunks]
     ends = np.cumsum(lengths)  # [B]
@@ -180,7 +181,8 @@ def ragged_forward(model: LlamaModel, store, chunks: list[Chunk]) -> np.ndarray:
     x = params["token_embd"][np.concatenate([c.token_ids for c in chunks])]  # [N, E]
     for layer, p in enumerate(params["blk"]):
         x = block(x, p, cfg, cos, sin, partial(attend_chunks, store, chunks, spans, layer))
-    return lm_head(params, x[ends - 1], cfg.rms_norm_eps)  # [B, V]
+    picked = ends - 1 if logits_indices is None else np.asarray(logits_indices, dtype=np.int64)
+    return lm_head(params, x[picked], cfg.rms_norm_eps)  # [B, V] (or [R, V])
 
 
 MODEL_STEPS["llama"] = ragged_forward  # the engines of chapters 3 to 7 now run Llama models: nothing else changes

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ch01_forward.sampling import SamplingParams, sampling_probs
-from ..ch03_batching.model_runner import Chunk, ragged_forward
+from ..ch03_batching.model_runner import Chunk, model_step
 from ..ch04_paged.block_manager import blocks_needed
 from ..ch06_quantization.quantization import quantize_model
+from ..ch09_modern_model.quantized import quantize_llama  # (importing chapter 9 registers its model step)
 from ..errors import CacheCapacityError, InvalidInputError, is_integer, is_real
+from ..loading.llama import LlamaModel
 from ..loading.weights import GPT2Model
 from .acceptance import draw
 from .rollback import SpeculativeKVStore
@@ -91,12 +93,11 @@ def common_prefix(a: list, b: list) -> int:
 
 class DraftModelDrafter:
     """A draft model proposes k tokens autoregressively: one ragged step over all sequences per draft token, over
-    its own KV store. ``forward(model, store, chunks) -> [B, V]``: chapter 3's ``ragged_forward`` by default (a
-    model of another architecture brings its own, and its ``store``: anything with a ``SpeculativeKVStore``'s
-    methods). ``num_blocks``: the default store's blocks of ``block_size`` tokens (default: 4 full contexts)."""
+    its own KV store. ``forward(model, store, chunks) -> [B, V]``: chapter 3's ``model_step`` by default (the
+    ``ragged_forward`` of the model's architecture); ``store``: anything with a ``SpeculativeKVStore``'s methods. ``num_blocks``: the default store's blocks of ``block_size`` tokens (default: 4 full contexts)."""
 
     def __init__(self, draft_model: GPT2Model, num_blocks: int | None = None, block_size: int = 16,
-                 forward=ragged_forward, store=None):
+                 forward=model_step, store=None):
         self.model, self.forward = draft_model, forward
         if store is None:
             if num_blocks is None:
@@ -195,7 +196,8 @@ def make_drafter(spec: str, model: GPT2Model, num_blocks: int | None = None):
         if parts[0] == "ngram" and len(parts) in (2, 3):
             return PromptLookupDrafter(int(parts[2]) if len(parts) == 3 else 3), check_k(int(parts[1]))
         if parts[0] == "draft" and len(parts) == 3 and parts[1] in ("int8", "int4", "fp16", "fp32"):
-            draft = quantize_model(model, parts[1], kernel="auto")
+            draft = quantize_llama(model, parts[1], kernel="auto") if isinstance(model, LlamaModel) else \
+                quantize_model(model, parts[1], kernel="auto")
             return DraftModelDrafter(draft, num_blocks), check_k(int(parts[2]))
     except ValueError as e:
         if isinstance(e, InvalidInputError):

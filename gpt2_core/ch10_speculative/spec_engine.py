@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ..ch03_batching.model_runner import Chunk, ragged_forward
+from ..ch03_batching.model_runner import Chunk, model_step
 from ..ch03_batching.scheduler import check_limits
 from ..ch03_batching.sequence import FinishReason, Sequence
 from ..ch04_paged.block_manager import blocks_needed
@@ -54,12 +54,13 @@ class SpeculativeEngine(CachingLLMEngine):
     """Chapter 5's engine with a ``drafter`` proposing up to ``num_speculative_tokens`` tokens per sequence and step.
 
     ``store``: a ``SpeculativeKVStore`` (default: room for ``max_num_seqs`` full contexts in blocks of 16).
-    ``forward(model, store, chunks, logits_indices) -> [R, V]``: chapter 3's ``ragged_forward`` by default.
+    ``forward(model, store, chunks, logits_indices) -> [R, V]``: chapter 3's ``model_step`` by default (the
+    ``ragged_forward`` of the model's architecture: chapter 9's Llama runs too).
     ``spec_stats`` counts drafts and acceptances (vLLM's ``spec_decode`` counters).
     """
 
     def __init__(self, model: GPT2Model, drafter, num_speculative_tokens: int = 4,
-                 store: SpeculativeKVStore | None = None, max_num_seqs: int = 32, forward=ragged_forward,
+                 store: SpeculativeKVStore | None = None, max_num_seqs: int = 32, forward=model_step,
                  **kwargs):
         self.k = check_k(num_speculative_tokens)
         if not all(callable(getattr(drafter, m, None)) for m in ("propose", "retain")):

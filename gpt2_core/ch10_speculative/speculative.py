@@ -8,8 +8,8 @@ rejected guesses too: rolling back is setting the cache's length to the tokens k
 
 ``generate`` has chapter 1's signature and, greedy, chapter 1's tokens; sampling, tokens with the target's
 distribution (not the same tokens for a seed: the random numbers are used differently). The loop
-(``speculative_stream``) talks to the target through a ``CacheRunner``: ``prefill``, ``score`` and ``truncate``.
-A model of another architecture (chapter 9's) plugs in with an object that has those three methods.
+(``speculative_stream``) talks to the target through a ``CacheRunner``: ``prefill``, ``score`` and ``truncate``,
+each through chapter 2's functions, which find the forward of the model's architecture: chapter 9's model runs too.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..ch01_forward.generation import check_generation, positions_needed
-from ..ch01_forward.model import lm_head
 from ..ch01_forward.sampling import Sampler, SamplingParams
-from ..ch02_kv_cache.kv_cache import cached_transformer, prefill
+from ..ch02_kv_cache.kv_cache import cached_forward, prefill
 from ..loading.weights import GPT2Model
 from .acceptance import SpecStats, accept
 from .drafters import DraftRequest, PromptLookupDrafter, check_k
@@ -37,8 +36,8 @@ class CacheRunner:
 
     def score(self, token_ids):  # [T] -> logits [T, V], one pass; the tokens' K/V join the cache
         """Feed ``token_ids`` at positions ``length ..`` in one pass; the next-token logits of every row."""
-        x = cached_transformer(self.model, token_ids, self.cache)  # [T, E]: every row, each weight read once
-        return lm_head(self.model.params, x, self.model.config.layer_norm_epsilon)  # [T, V]
+        forward = cached_forward(self.model)  # chapter 2's forward for the model's architecture (9's: Llama)
+        return forward(self.model, token_ids, self.cache)  # [T, V]: every row, each weight read once
 
     @property
     def length(self) -> int:
