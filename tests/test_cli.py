@@ -283,9 +283,12 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
     else:
         assert data["kernels"] == "cpu_kernels.accelerate"
     if args[1] == "spec":  # the editing workload on the real instruct model (installed in CI): the same text, faster
-        [row] = data["editing"]
-        assert row["identical_to_greedy"] and row["speedup"] > 0 and 0 <= row["alpha"] <= 1
-        assert row["num_draft_tokens"] > 0 and row["tokens_per_pass"] >= 1
+        rows = {r["workload"]: r for r in data["instruct"]}
+        assert set(rows) == {"editing", "open_chat"} and len(data["instruct"]) == 2
+        for row in rows.values():
+            assert row["identical_to_greedy"] and row["speedup"] > 0 and 0 <= row["alpha"] <= 1
+            assert row["speedup_with_prefill"] > 0 and row["decode_tokens_per_s"] > 0
+        assert rows["editing"]["num_draft_tokens"] > 0 and rows["editing"]["tokens_per_pass"] >= 1
         assert any(k.endswith("on the editing workload") for k in data["targets_met"])
     assert data["results"] and all(rec["tokens_per_s"] > 0 for rec in data["results"])
 

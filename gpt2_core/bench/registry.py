@@ -30,7 +30,7 @@ BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": be
 # The README's table of benchmarks shows the same figures (tests/test_cli.py checks that they agree).
 MINUTES = {"kv-cache": (3, 1), "layout": (1, 1), "batching": (11, 2), "paged": (7, 1), "prefix": (22, 1),
            "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (5, 1), "capstone": (25, 2),
-           "spec": (10, 3)}
+           "spec": (14, 3)}
 
 
 def announce(name: str, quick: bool, stream=None) -> None:
@@ -186,10 +186,11 @@ def _print_spec(out: dict) -> None:
     for r in out["embedded"]:
         w(f"  embedded {r['workload']:10s} {r['drafter']:10s} alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} "
           f"tokens/pass, speed-up {r['speedup']:.2f}x, identical {r['identical_to_greedy']}\n")
-    for r in out.get("editing", []):
-        w(f"  editing (SmolLM2) k={r['k']}: alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} tokens/pass (formula "
-          f"{r['formula']:.2f}), {r['plain_tokens_per_s']:.1f} -> {r['tokens_per_s']:.1f} tok/s, speed-up "
-          f"{r['speedup']:.2f}x, identical {r['identical_to_greedy']}\n")
+    for r in out.get("instruct", []):
+        w(f"  SmolLM2 {r['workload']:9s} k={r['k']}: alpha {r['alpha']:.2f}, {r['tokens_per_pass']:.2f} tokens/pass "
+          f"(formula {r['formula']:.2f}), decode {r['plain_decode_tokens_per_s']:.1f} -> {r['decode_tokens_per_s']:.1f} "
+          f"tok/s, speed-up {r['speedup']:.2f}x ({r['speedup_with_prefill']:.2f}x with the prefill), identical "
+          f"{r['identical_to_greedy']}\n")
     for why in out.get("skipped", {}).values():
         w(f"  {why}\n")
     w("  tokens per pass, measured / formula (oracle, embedded model): " + ", ".join(
