@@ -289,7 +289,7 @@ def test_every_bench_command_of_the_readme_runs_as_typed(tmp_path, command):
             assert row["identical_to_greedy"] and row["speedup"] > 0 and 0 <= row["alpha"] <= 1
             assert row["speedup_with_prefill"] > 0 and row["decode_tokens_per_s"] > 0
         assert rows["editing"]["num_draft_tokens"] > 0 and rows["editing"]["tokens_per_pass"] >= 1
-        assert any(k.endswith("on the editing workload") for k in data["targets_met"])
+        assert any(k.endswith("on the editing workload") for k in data["targets_met"])  # judged at k = 4
     assert data["results"] and all(rec["tokens_per_s"] > 0 for rec in data["results"])
 
 

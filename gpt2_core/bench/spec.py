@@ -24,8 +24,9 @@ on the weights. Their predictions are noise, though, so no real drafter's accept
   ``editing`` (fix the grammar of a paragraph, the workload prompt lookup is made for: the answer copies most of
   the question) and ``open_chat`` (questions whose answers copy nothing). Batch-1 prompt lookup at several k
   against plain greedy decoding, rounds taking turns: ``speedup`` is the decode phase's (the tokens after the
-  first), the median of the rounds' ratios; ``speedup_with_prefill`` the whole request's. Skipped with a note
-  when the model's package is not installed.
+  first), the median of the rounds' ratios; ``speedup_with_prefill`` the whole request's; the target is judged
+  at the k fixed in advance (``NUM_SPECULATIVE``). ``formula`` assumes k drafts in every pass (prompt lookup
+  sometimes finds fewer). Skipped with a note when the model's package is not installed.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ def instruct_rows(quick: bool) -> tuple[list[dict], str | None]:
         model = accelerate(load_gguf_model(smollm2_path()))
     except CheckpointError as e:
         return [], f"no editing or open-chat rows: {e}"
-    new_tokens, ks, rounds = (24, INSTRUCT_KS[1:2], 1) if quick else (96, INSTRUCT_KS, 3)
+    new_tokens, ks, rounds = (24, (NUM_SPECULATIVE,), 1) if quick else (96, INSTRUCT_KS, 4)  # even: each order twice
     rows = []
     for workload, prompts in instruct_workloads(model.tokenizer, quick).items():
         def run(k=None, stats=None):  # the prompts one after another: (tokens, prefill s, decode s)
@@ -312,7 +313,8 @@ def instruct_rows(quick: bool) -> tuple[list[dict], str | None]:
                          "plain_decode_tokens_per_s": decoded / float(np.median([q[1] for q in readings["plain"]])),
                          "decode_tokens_per_s": decoded / float(np.median([q[1] for q in readings[k]])),
                          "speedup": float(np.median(decode)), "speedup_with_prefill": float(np.median(whole)),
-                         "identical_to_greedy": identical[k], "prompts": len(prompts), "new_tokens": tokens})
+                         "identical_to_greedy": identical[k], "prompts": len(prompts), "max_new_tokens": new_tokens,
+                         "tokens_generated": tokens, "rounds": rounds})
     return rows, None
 
 
@@ -346,7 +348,8 @@ def bench_spec(quick: bool = False) -> dict:
                             "greedy identical everywhere": all(r.get("identical_to_greedy", True) and
                                                                r.get("identical_to_plain", True)
                                                                for r in oracle + engine + embedded + instruct),
-                            **({f"prompt lookup >= {SPEEDUP_TARGET}x batch-1 decode on the editing workload":
-                                max(r["speedup"] for r in instruct if r["workload"] == "editing") >= SPEEDUP_TARGET}
+                            **({f"prompt lookup (k = {NUM_SPECULATIVE}) >= {SPEEDUP_TARGET}x batch-1 decode on the "
+                                "editing workload": next(r["speedup"] for r in instruct if r["workload"] == "editing"
+                                                         and r["k"] == NUM_SPECULATIVE) >= SPEEDUP_TARGET}
                                if instruct else {})},
             "duration_s": time.perf_counter() - t0}
