@@ -62,6 +62,8 @@ def test_accelerate_keeps_the_numbers_and_plain_gives_the_arrays_back():
 def test_chapter_9s_llama_runs_unchanged_on_an_accelerated_model():
     """Each block's seven matrices and the tied head in FastWeights; forward, greedy decoding and speculative
     verify passes (several rows: the tiles) as on the plain model; ``plain`` gives the arrays back."""
+    from dataclasses import replace
+
     from gguf_helpers import TINY_LLAMA
 
     from gpt2_core.ch09_modern_model import model as llama
@@ -83,6 +85,21 @@ def test_chapter_9s_llama_runs_unchanged_on_an_accelerated_model():
         assert speculative.generate(fast, ids, 12, stop_at_eos=False, drafter=drafter, k=4) == want
     for key, a in plain(fast).state_dict().items():
         assert type(a) is np.ndarray and np.array_equal(a, model.state_dict()[key]), key
+    untied = random_llama(replace(TINY_LLAMA, tie_word_embeddings=False))  # a head of its own: accelerated too
+    fast = accelerate(untied, tiled=True)
+    assert isinstance(fast.params["output"].T, FastWeight)
+    assert kv_cache.generate(fast, ids, 6, stop_at_eos=False) == kv_cache.generate(untied, ids, 6, stop_at_eos=False)
+
+
+def test_accelerate_leaves_chapter_6s_quantized_weights_to_their_kernels():
+    from gpt2_core.ch06_quantization.quantization import QuantizedWeight, quantize_model
+
+    q = quantize_model(MODEL, "int8", embeddings=True)
+    fast = accelerate(q)
+    assert isinstance(fast.params["h"][0]["mlp"]["c_fc"]["weight"], QuantizedWeight)
+    assert fast.params["wte"] is q.params["wte"]
+    ids = np.arange(1, 8)
+    assert kv_cache.generate(fast, ids, 6, stop_at_eos=False) == kv_cache.generate(q, ids, 6, stop_at_eos=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------

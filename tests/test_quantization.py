@@ -134,11 +134,16 @@ needs_numba = pytest.mark.skipif(not quant_kernels.numba_available(), reason="nu
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(768, 2304), (3072, 768), (64, 5), (96, 130)])  # 130: a tile of 64 and part
 @pytest.mark.parametrize("rows", [1, 3, 32])
-def test_numba_kernel_equals_the_numpy_reference(fmt, shape, rows):
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_numba_kernel_equals_the_numpy_reference(fmt, shape, rows, group_size):
     rng = np.random.default_rng(rows)
     w = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
     x = rng.standard_normal((rows, shape[0]), dtype=np.float32)
-    W = Q.quantize_weight(w, fmt, group_size=32)
+    if fmt == "int4" and shape[0] % group_size:
+        pytest.skip(f"{shape[0]} inputs are not whole groups of {group_size}")
+    if fmt == "int8" and group_size != 32:
+        pytest.skip("int8 has no groups")
+    W = Q.quantize_weight(w, fmt, group_size=group_size)
     reference, kernel = x @ W, x @ W.with_kernel("numba")
     scale = np.abs(x) @ np.abs(W.dequantize())  # sum |x| |w| per output
     assert kernel.dtype == np.float32 and kernel.shape == reference.shape
@@ -157,6 +162,16 @@ def test_int4_tiles_hold_each_channels_inputs_in_pairs_64_channels_a_tile():
     assert np.array_equal(tiles[t, :, c] >> 4, q[:, 1::2] + 8)  # input 2i + 1: the high one
     assert np.array_equal(tile_scales[t, :, c], scales)
     assert not tiles[2, :, 2:].any() and not tile_scales[2, :, 2:].any()  # the last tile's padding
+
+
+@needs_numba
+@pytest.mark.parametrize("group_size", [2, 6, 64])  # even group sizes, multiples of 4 or not
+def test_the_batch_1_int4_kernel_takes_every_even_group_size(group_size):
+    rng = np.random.default_rng(group_size)
+    w = rng.standard_normal((192, 70), dtype=np.float32)
+    x = rng.standard_normal(192, dtype=np.float32)
+    W = Q.quantize_weight(w, "int4", group_size=group_size)
+    np.testing.assert_allclose(x @ W.with_kernel("numba"), x @ W, rtol=1e-4, atol=1e-4)
 
 
 @needs_numba

@@ -483,16 +483,18 @@ def test_spec_stats_count_accepted_drafts_by_position():
     assert (stats.num_passes, stats.num_draft_tokens, stats.num_rejections) == (3, 10, 2)
 
 
-@pytest.mark.parametrize("spec", ["ngram:4", "draft:int8:3"])
+@pytest.mark.parametrize("spec", ["ngram:4", "draft:int8:3", "draft:int4:3"])
 def test_chapter_9s_llama_runs_in_the_speculative_engine_with_the_plain_engines_tokens(spec):
     """The engine and both drafters reach chapter 9's model step through chapter 3's ``model_step``: the same
     greedy tokens as chapter 2's loop, every block back."""
+    from dataclasses import replace
+
     from gguf_helpers import TINY_LLAMA
 
     from gpt2_core.ch10_speculative.drafters import make_drafter
     from gpt2_core.loading.llama import random_llama
 
-    model = random_llama(TINY_LLAMA)
+    model = random_llama(replace(TINY_LLAMA, n_embd=64, n_head=4, intermediate_size=96))  # int4: groups of 32 divide them
     prompts = [list(range(1, 9)) * 2, list(range(20, 30)) * 2, [5, 6, 7]]
     want = [kv_cache.generate(model, p, 12, stop_at_eos=False) for p in prompts]
     drafter, k = make_drafter(spec, model, num_blocks=64)
@@ -501,3 +503,5 @@ def test_chapter_9s_llama_runs_in_the_speculative_engine_with_the_plain_engines_
     outs = engine.generate_many([Request(i, p, max_new_tokens=12, stop_at_eos=False) for i, p in enumerate(prompts)])
     assert [o.output_token_ids for o in outs] == want
     assert engine.spec_stats.num_draft_tokens > 0 and store.manager.num_free_blocks == 64
+    if spec.startswith("draft"):
+        assert drafter.store.manager.num_free_blocks == drafter.store.num_blocks  # the draft's store is empty too

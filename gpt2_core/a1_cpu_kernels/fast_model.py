@@ -19,6 +19,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..ch06_quantization.quantization import QuantizedEmbedding, QuantizedWeight
+from ..ch09_modern_model.quantized import MATRICES as LLAMA_MATRICES  # a Llama block's seven matmuls
 from ..loading.llama import LlamaModel
 from ..loading.memory import available_memory_bytes
 from ..loading.weights import GPT2Model
@@ -26,7 +28,6 @@ from .small_batch import GEMV_MAX_ROWS, HEAD_BLOCK, small_batch_matmul
 from .tiles import small_kernel_here, tile_bytes, tile_weight, tiled_matmul, uses_tiles
 
 COLUMN_MAJOR = (("attn", "c_proj"), ("mlp", "c_proj"))  # (module, layer) kept column-major
-LLAMA_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # a block's matmuls
 
 
 class _Wrapper:
@@ -105,7 +106,7 @@ def default_kernels() -> dict:
 
 
 def accelerate(model: GPT2Model | LlamaModel, tiled: bool | None = None, gemv_max_rows: int = GEMV_MAX_ROWS,
-               column_major: bool = True) -> GPT2Model:
+               column_major: bool = True) -> GPT2Model | LlamaModel:
     """``model`` with every matmul weight in a ``FastWeight`` (and the head in a ``TiedEmbedding``); biases, layer
     norms and position embeddings are shared with ``model``. ``tiled``, ``gemv_max_rows``: ``FastWeight``'s
     (``tiled=None``: as ``default_kernels()``, tiles where this BLAS has the small-matrix kernel they need);
@@ -118,6 +119,8 @@ def accelerate(model: GPT2Model | LlamaModel, tiled: bool | None = None, gemv_ma
     def fast(weight, order="C", block=None):
         if isinstance(weight, FastWeight):
             return weight.configured(tiled, gemv_max_rows)
+        if isinstance(weight, (QuantizedWeight, QuantizedEmbedding)):  # chapter 6's formats keep their own kernels
+            return weight
         array = np.asfortranarray(weight) if order == "F" else np.ascontiguousarray(weight)
         return FastWeight(array, tiled=tiled, gemv_max_rows=gemv_max_rows, block=block, spare_bytes=spare)
 
@@ -125,7 +128,8 @@ def accelerate(model: GPT2Model | LlamaModel, tiled: bool | None = None, gemv_ma
         return _accelerate_llama(model, fast)
     params = dict(model.params)
     wte = model.params["wte"]  # wte.T: a FastWeight already, or a transposed view that fast() copies contiguous
-    params["wte"] = TiedEmbedding(array_of(wte), fast(wte.T, block=HEAD_BLOCK))
+    if not isinstance(wte, QuantizedEmbedding):
+        params["wte"] = TiedEmbedding(array_of(wte), fast(wte.T, block=HEAD_BLOCK))
     params["h"] = []
     for p in model.params["h"]:
         p = dict(p)
@@ -142,14 +146,14 @@ def _accelerate_llama(model: LlamaModel, fast) -> LlamaModel:
     """``accelerate`` for chapter 9's model: the blocks' matrices, and the head ([V, E] tables used as ``.T``)."""
     params = dict(model.params)
     for name in ("token_embd", "output"):  # output: a head of its own, when the file has one
-        if name in params:
+        if name in params and not isinstance(params[name], QuantizedEmbedding):
             table = params[name]
             params[name] = TiedEmbedding(array_of(table), fast(table.T, block=HEAD_BLOCK))
     params["blk"] = [{k: fast(w) if k in LLAMA_MATRICES else w for k, w in p.items()} for p in model.params["blk"]]
     return replace(model, params=params)
 
 
-def plain(model: GPT2Model) -> GPT2Model:  # the inverse of accelerate
+def plain(model: GPT2Model | LlamaModel) -> GPT2Model | LlamaModel:  # the inverse of accelerate
     """``model`` with plain arrays again (the same numbers)."""
     if isinstance(model, LlamaModel):
         params = {k: array_of(v) for k, v in model.params.items() if k != "blk"}

@@ -13,16 +13,18 @@ At batch 1 that reads 1 byte a weight (int8) or half a byte (int4) instead of 4.
 compute-bound, and BLAS's tuned GEMM beats this simple loop: the benchmark records both.
 
 One row of int4 (a batch-1 decode step) has a kernel of its own, ``int4_matvec``: unpacking is then the work, and
-the loop above unpacks 32 numbers, a group, at a time, too short for the core's vector units. It reads the bytes
-*input-major* in tiles of 64 output channels instead (``int4_tiles``: ``tiles[t, i, c]`` holds inputs 2i and 2i+1
-of channel 64t + c), so that its inner loop runs along 64 channels, four vector instructions wide, and each tile's
-bytes lie in one contiguous run (read from memory as a stream; a stride across the whole matrix ran 2x slower):
+the loop above unpacks one group (``group_size`` numbers, 32 to 64) at a time, too few for the core's vector units.
+It reads the bytes *input-major* in tiles of 64 output channels instead (``int4_tiles``: ``tiles[t, i, c]`` holds
+inputs 2i and 2i+1 of channel 64t + c), so that its inner loop runs along 64 channels (four AVX-512 instructions
+wide, eight AVX2 ones), and each tile's bytes lie in one contiguous run (read as a stream; a stride across the whole
+matrix ran 2x slower here):
 
     for each tile of 64 output channels, in parallel:
         for each group g:   acc = sum over the group's inputs k of x[k] * nibble[k, tile]    # integers 0..15
                             y[tile] += scale[g, tile] * (acc - 8 * sum(x[group]))           # the offset, once
 
-The tiled copy is made the first time a weight multiplies one row, and kept with it (half a byte a weight more).
+The tiled copy is made the first time a weight multiplies one row and kept with it: about the weight's own bytes
+again (nibbles and scales, reordered), which ``nbytes`` does not count (it counts what the format stores).
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def int4_tiles(packed, scales, group_size: int) -> tuple[np.ndarray, np.ndarray]
     """``packed`` [M, K/2] and ``scales`` [M, K/g] (chapter 6's layout) -> tiles [T, K/2, 64] uint8 (``[t, i, c]``:
     inputs 2i (low nibble) and 2i + 1 (high) of channel 64t + c, as q + 8) and scales [T, K/g, 64]; T = ceil(M / 64),
     the last tile padded with zeros: the order ``int4_matvec`` reads."""
-    M, half = packed.shape
+    M, half = packed.shape  # unpacked as quantization.unpack_int4 does, kept as q + 8 (that module imports this one)
     p = packed.reshape(M, half * 2 // group_size, 1, group_size // 2)
     q = np.concatenate([p & 15, p >> 4], axis=2).reshape(M, half * 2)  # [M, K] in 0..15, in input order
     pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # [M, K/2]: inputs 2i, 2i + 1
@@ -178,7 +180,8 @@ def warm_up() -> float:
     x, y = np.ones((1, 4), dtype=np.float32), np.empty((1, 2), dtype=np.float32)
     k["int8"](x, np.ones((2, 4), dtype=np.int8), np.ones(2, dtype=np.float32), y)
     k["int4"](x, np.full((2, 2), 0x88, dtype=np.uint8), np.ones((2, 2), dtype=np.float32), 2, y)
-    k["int4_matvec"](x, *int4_tiles(np.full((2, 2), 0x88, dtype=np.uint8), np.ones((2, 2), dtype=np.float32), 2), 2, y)
+    tiles = int4_tiles(np.full((2, 2), 0x88, dtype=np.uint8), np.ones((2, 2), dtype=np.float32), 2)
+    k["int4_matvec"](x, *tiles, 2, y)
     return time.perf_counter() - t0 if fresh else 0.0
 
 

@@ -94,7 +94,8 @@ def common_prefix(a: list, b: list) -> int:
 class DraftModelDrafter:
     """A draft model proposes k tokens autoregressively: one ragged step over all sequences per draft token, over
     its own KV store. ``forward(model, store, chunks) -> [B, V]``: chapter 3's ``model_step`` by default (the
-    ``ragged_forward`` of the model's architecture); ``store``: anything with a ``SpeculativeKVStore``'s methods. ``num_blocks``: the default store's blocks of ``block_size`` tokens (default: 4 full contexts)."""
+    ``ragged_forward`` of the model's architecture); ``store``: anything with a ``SpeculativeKVStore``'s
+    methods. ``num_blocks``: the default store's blocks of ``block_size`` tokens (default: 4 full contexts)."""
 
     def __init__(self, draft_model: GPT2Model, num_blocks: int | None = None, block_size: int = 16,
                  forward=model_step, store=None):
@@ -190,7 +191,8 @@ class OracleDrafter:
 
 def make_drafter(spec: str, model: GPT2Model, num_blocks: int | None = None):
     """``(drafter, k)`` from a spec: ``ngram:K`` (prompt lookup, n-grams of 3 down to 1), ``ngram:K:N`` (of N down
-    to 1), or ``draft:FORMAT:K`` (``model`` in chapter 6's ``int8`` or ``int4``, numba kernel if installed)."""
+    to 1), or ``draft:FORMAT:K`` (``model`` in chapter 6's ``int8`` or ``int4``, numba kernel if installed; chapter
+    9's Llama through ``quantize_llama``, int4 in groups of 32)."""
     parts = str(spec).split(":")
     try:
         if parts[0] == "ngram" and len(parts) in (2, 3):

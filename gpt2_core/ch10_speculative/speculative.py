@@ -8,8 +8,9 @@ rejected guesses too: rolling back is setting the cache's length to the tokens k
 
 ``generate`` has chapter 1's signature and, greedy, chapter 1's tokens; sampling, tokens with the target's
 distribution (not the same tokens for a seed: the random numbers are used differently). The loop
-(``speculative_stream``) talks to the target through a ``CacheRunner``: ``prefill``, ``score`` and ``truncate``,
-each through chapter 2's functions, which find the forward of the model's architecture: chapter 9's model runs too.
+(``speculative_stream``) talks to the target through a ``CacheRunner``: ``prefill``, ``score`` and ``truncate``;
+the first two go through chapter 2's functions, which find the forward of the model's architecture: chapter 9's
+model runs too.
 """
 
 from __future__ import annotations
