@@ -279,6 +279,27 @@ def test_the_chat_command():
     assert out.returncode == 0 and "Paris" in out.stdout, out.stderr
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_smollm2_answers_the_openai_client_through_the_server(smol, speculative):
+    """``python -m gpt2_core serve --model smollm2-135m-instruct`` (the appendix's kernels, as the CLI serves; with
+    ``--speculative ngram:4`` too): /v1/chat/completions answers the question with the library's greedy reply."""
+    import openai
+
+    from gpt2_core.ch07_serving.launch import ServerProcess
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = smol.tokenizer
+    prompt = apply_chat_template(tok.chat_template, question, **tok.special_tokens)
+    want = tok.decode(generate(smol, tok.encode(prompt), 24), skip_special_tokens=True)
+    args = ["--model", "smollm2-135m-instruct", "--max-num-seqs", "4", "--num-blocks", "256"]
+    with ServerProcess(*args, *(["--speculative", "ngram:4"] if speculative else []), timeout=300) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+        [model] = client.models.list().data
+        r = client.chat.completions.create(model=model.id, messages=question, max_tokens=24, temperature=0)
+    assert model.id == "smollm2-135m-instruct"
+    assert r.choices[0].message.content == want and "Paris" in want, (r.choices[0].message.content, want)
+
+
 def test_smollm2_tokenizer_equals_transformers_on_varied_text(smol):
     if not REFERENCE.exists():
         pytest.skip(f"{REFERENCE} not built (data/make_smollm2_reference.py)")
