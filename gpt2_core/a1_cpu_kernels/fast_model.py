@@ -124,12 +124,16 @@ def accelerate(model: GPT2Model | LlamaModel, tiled: bool | None = None, gemv_ma
         array = np.asfortranarray(weight) if order == "F" else np.ascontiguousarray(weight)
         return FastWeight(array, tiled=tiled, gemv_max_rows=gemv_max_rows, block=block, spare_bytes=spare)
 
+    def tied(table):  # an embedding table [V, E] whose .T is the LM head
+        if isinstance(table, QuantizedEmbedding):
+            return table
+        # table.T: a FastWeight already, or a transposed view that fast() copies contiguous
+        return TiedEmbedding(array_of(table), fast(table.T, block=HEAD_BLOCK))
+
     if isinstance(model, LlamaModel):
-        return _accelerate_llama(model, fast)
+        return _accelerate_llama(model, fast, tied)
     params = dict(model.params)
-    wte = model.params["wte"]  # wte.T: a FastWeight already, or a transposed view that fast() copies contiguous
-    if not isinstance(wte, QuantizedEmbedding):
-        params["wte"] = TiedEmbedding(array_of(wte), fast(wte.T, block=HEAD_BLOCK))
+    params["wte"] = tied(model.params["wte"])
     params["h"] = []
     for p in model.params["h"]:
         p = dict(p)
@@ -142,13 +146,12 @@ def accelerate(model: GPT2Model | LlamaModel, tiled: bool | None = None, gemv_ma
     return replace(model, params=params)
 
 
-def _accelerate_llama(model: LlamaModel, fast) -> LlamaModel:
+def _accelerate_llama(model: LlamaModel, fast, tied) -> LlamaModel:
     """``accelerate`` for chapter 9's model: the blocks' matrices, and the head ([V, E] tables used as ``.T``)."""
     params = dict(model.params)
     for name in ("token_embd", "output"):  # output: a head of its own, when the file has one
-        if name in params and not isinstance(params[name], QuantizedEmbedding):
-            table = params[name]
-            params[name] = TiedEmbedding(array_of(table), fast(table.T, block=HEAD_BLOCK))
+        if name in params:
+            params[name] = tied(params[name])
     params["blk"] = [{k: fast(w) if k in LLAMA_MATRICES else w for k, w in p.items()} for p in model.params["blk"]]
     return replace(model, params=params)
 

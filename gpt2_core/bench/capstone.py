@@ -94,7 +94,7 @@ from .batching import decode_step_runner, gemm_bound_tokens_per_s, replay_hf, wa
 from .common import GRADING, QUICK, blas_thread_count, blas_threads, llama_cpp_available, median_time
 from .kv_cache import gemv_bandwidth
 from .paged import fresh
-from .replay import replay, replay_static
+from .replay import replay, replay_static, serve_one_by_one
 from .router import missing_extra, run_async, write_random_checkpoint
 from .serve import Client
 from .spec import NUM_SPECULATIVE, embedded_new_tokens, embedded_workloads
@@ -127,22 +127,6 @@ def at_zero(requests: list[Request]) -> list[Request]:
 
 def kv_bytes_per_position(config: GPT2Config) -> int:
     return kv_cache_bytes(config, 1)
-
-
-def serve_one_by_one(model: GPT2Model, requests: list[Request], stream) -> tuple[list[RequestOutput], float]:
-    """Serve ``requests`` one at a time with ``stream`` (chapter 1's or 2's ``generate_stream``), offline, in
-    order; each output's metrics count from its own start. -> (outputs, seconds)."""
-    outputs, t0 = [], time.perf_counter()
-    for r in requests:
-        start = time.perf_counter()
-        times, tokens = [], []
-        for token in stream(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=r.stop_at_eos):
-            tokens.append(token)
-            times.append(time.perf_counter())
-        m = SequenceMetrics(arrival_time=start, first_scheduled_time=start, token_times=times,
-                            finished_time=times[-1] if times else start)
-        outputs.append(RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, FinishReason.LENGTH, None, m))
-    return outputs, time.perf_counter() - t0
 
 
 def queue_latencies(service: list[tuple[float, list[float]]], arrivals: list[float]) -> dict:

@@ -130,3 +130,19 @@ def replay_static(model: GPT2Model, requests, batch_size: int = 32, clock: str =
             results[id(r)] = RequestOutput(r.request_id, list(r.prompt_token_ids), out.output_token_ids[row],
                                            out.finish_reasons[row], None, m)
     return [results[id(r)] for r in requests], batches
+
+
+def serve_one_by_one(model: GPT2Model, requests: list[Request], stream) -> tuple[list[RequestOutput], float]:
+    """Serve ``requests`` one at a time with ``stream`` (chapter 1's or 2's ``generate_stream``), offline, in
+    order; each output's metrics count from its own start. -> (outputs, seconds)."""
+    outputs, t0 = [], time.perf_counter()
+    for r in requests:
+        start = time.perf_counter()
+        times, tokens = [], []
+        for token in stream(model, r.prompt_token_ids, r.max_new_tokens, stop_at_eos=r.stop_at_eos):
+            tokens.append(token)
+            times.append(time.perf_counter())
+        m = SequenceMetrics(arrival_time=start, first_scheduled_time=start, token_times=times,
+                            finished_time=times[-1] if times else start)
+        outputs.append(RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, FinishReason.LENGTH, None, m))
+    return outputs, time.perf_counter() - t0

@@ -31,6 +31,7 @@ on the weights. Their predictions are noise, though, so no real drafter's accept
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 
@@ -54,6 +55,7 @@ from ..loading.config import preset
 from ..loading.llama import load_gguf_model, smollm2_path
 from ..loading.weights import GPT2Model, load_model, random_model
 from .common import interleaved
+from .replay import serve_one_by_one
 from .workload import random_prompt
 
 CONTEXT = 128  # cached tokens before a verify pass
@@ -269,18 +271,6 @@ def instruct_workloads(tokenizer, quick: bool) -> dict[str, list[list[int]]]:
     return {"editing": [chat(EDIT_INSTRUCTION + p) for p in PARAGRAPHS[:n]], "open_chat": [chat(q) for q in QUESTIONS[:n]]}
 
 
-def stream_seconds(stream) -> tuple[list[int], float, float]:
-    """Drain a token stream: (tokens, seconds to the first token, seconds after it: the decode phase)."""
-    t0 = time.perf_counter()
-    tokens, first = [], None
-    for token in stream:
-        tokens.append(token)
-        if first is None:
-            first = time.perf_counter()
-    end = time.perf_counter()
-    return tokens, (first or end) - t0, end - (first or end)
-
-
 def instruct_rows(quick: bool) -> tuple[list[dict], str | None]:
     """Prompt lookup at each k on the real instruct model's workloads, beside plain greedy (rows), or why not."""
     try:
@@ -290,13 +280,16 @@ def instruct_rows(quick: bool) -> tuple[list[dict], str | None]:
     new_tokens, ks, rounds = (24, (NUM_SPECULATIVE,), 1) if quick else (96, INSTRUCT_KS, 4)  # even: each order twice
     rows = []
     for workload, prompts in instruct_workloads(model.tokenizer, quick).items():
+        requests = [Request(i, p, max_new_tokens=new_tokens) for i, p in enumerate(prompts)]
+
         def run(k=None, stats=None):  # the prompts one after another: (tokens, prefill s, decode s)
-            streams = [kv_cache.generate_stream(model, p, new_tokens) if k is None else
-                       speculative.generate_stream(model, p, new_tokens, drafter=PromptLookupDrafter(), k=k,
-                                                   stats=stats if stats is not None else SpecStats())
-                       for p in prompts]
-            outs = [stream_seconds(s) for s in streams]
-            return [o[0] for o in outs], sum(o[1] for o in outs), sum(o[2] for o in outs)
+            stream = kv_cache.generate_stream if k is None else functools.partial(
+                speculative.generate_stream, drafter=PromptLookupDrafter(), k=k, stats=stats)
+            outputs, _ = serve_one_by_one(model, requests, stream)
+            first = [o.metrics.token_times[0] for o in outputs]  # each request has a first token (96 allowed)
+            return ([o.output_token_ids for o in outputs],
+                    sum(f - o.metrics.first_scheduled_time for f, o in zip(first, outputs)),  # to the first token
+                    sum(o.metrics.token_times[-1] - f for f, o in zip(first, outputs)))  # the decode phase
         plain = run()[0]
         stats = {k: SpecStats() for k in ks}
         identical = {k: run(k, stats[k])[0] == plain for k in ks}  # and the warm-up: tiles are made on first use
