@@ -374,13 +374,16 @@ def llama_cpp_model():
 
 def test_llama_cpp_reads_the_file_as_we_do(smol, llama_cpp_model):
     """llama.cpp on the same file (its own Q4_1/Q8_0 kernels) against ours (the blocks dequantized to float32):
-    the same tokenization, and the same greedy tokens for the first 8 steps of a chat reply.
+    the same tokenization, and the same logits, up to llama.cpp's rounding, at every step of our greedy chat reply.
 
-    Tolerance on the logits: llama.cpp's CPU matmuls round each activation row to 8 bits (Q8_1/Q8_0 blocks) before
-    the dot products with the 4- and 8-bit weights, where ours multiply in float32, so its logits differ from ours
-    by far more than float rounding (1e-3 against transformers). The bound, 1.0 on logits of size ~20, comes
-    from that reasoning, not yet from a run (llama-cpp-python was not installed where this was written); the test
-    also asks that both pick the same token, which holds while the top two logits are further apart than that."""
+    llama.cpp's CPU matmuls round each activation row to 8 bits (Q8 blocks) before the dot products with the 4- and
+    8-bit weights, where ours multiply in float32, so its logits differ from ours by far more than float rounding
+    (1e-3 against transformers). Measured with llama-cpp-python 0.3.36 on this reply (logits near 25): the logits
+    move together by up to 0.85 (a shift, which softmax ignores) and, around their mean, by at most 0.97; the bound
+    is 1.5. Both pick the same token wherever our top two are further apart than twice that (5 of the 8 steps; in
+    fact at 7 of them). At the first, "The" leads "L" by 0.08 in ours (and in transformers): within llama.cpp's rounding, which picks "L"
+    and, greedy from there, writes "L'Étoile, la Cité": a different reply from the same weights, not a misread
+    file. The logits are compared on our tokens (each step fed our previous token), so one flip does not carry."""
     from gpt2_core.bench import modern
 
     tok = smol.tokenizer
@@ -388,8 +391,16 @@ def test_llama_cpp_reads_the_file_as_we_do(smol, llama_cpp_model):
                                **tok.special_tokens)
     ids = tok.encode(text)
     assert llama_cpp_model.tokenize(text.encode(), add_bos=False, special=True) == ids
-    theirs, their_logits = modern.llama_cpp_greedy(llama_cpp_model, ids, 8)
     ours = generate(smol, ids, 8, stop_at_eos=False)
-    assert theirs == ours
-    our_logits = forward(smol, ids + ours[:-1])[len(ids) - 1:]  # the logits each of our 8 tokens was picked from
-    assert np.abs(their_logits - our_logits).max() < 1.0
+    llama_cpp_model.reset()
+    llama_cpp_model.eval(ids)
+    theirs = [modern.last_logits(llama_cpp_model)]
+    for token in ours[:-1]:  # fed our tokens: each row is the step our token was picked at
+        llama_cpp_model.eval([token])
+        theirs.append(modern.last_logits(llama_cpp_model))
+    their_logits, our_logits = np.stack(theirs), forward(smol, ids + ours[:-1])[len(ids) - 1:]
+    centred = [a - a.mean(axis=1, keepdims=True) for a in (their_logits, our_logits)]
+    assert np.abs(centred[0] - centred[1]).max() < 1.5
+    top = np.sort(our_logits, axis=1)
+    clear = top[:, -1] - top[:, -2] > 2 * 1.5  # steps where rounding this large cannot swap the first two
+    assert clear.sum() >= 5 and (their_logits.argmax(axis=1) == np.array(ours))[clear].all()

@@ -15,7 +15,9 @@ Every engine of the series on one workload, in one run, each beside its own phys
   path (dequantize, then BLAS) and ``int8_numba`` with the kernel that reads the bytes (in its own process: numba's
   threads slow OpenBLAS in the process they live in; skipped with a note without numba);
 * ``hf_transformers`` (batched ``generate``, batched like ``static``; random weights of its own) when torch is
-  installed; ``llamacpp`` is listed as skipped unless ``llama_cpp`` is importable (no GGUF writer here yet).
+  installed; ``llamacpp_f32`` and ``llamacpp_q8_0`` (llama.cpp serving this run's weights written as GGUF files,
+  one request at a time, as ``kv_cache``; ``bench.llamacpp``) when llama-cpp-python is installed, else
+  ``llamacpp`` is listed as skipped with a note.
 
 Throughput is measured offline (every request submitted at t=0, as vLLM's throughput benchmark does); time to
 first token and inter-token latency with the workload's arrivals (as its serving benchmark does). The two
@@ -91,8 +93,9 @@ from ..loading.weights import GPT2Model, load_model, random_model
 from . import workload as wl
 from . import progress
 from .batching import decode_step_runner, gemm_bound_tokens_per_s, replay_hf, warm_up
-from .common import GRADING, QUICK, blas_thread_count, blas_threads, llama_cpp_available, median_time
+from .common import GRADING, LLAMA_CPP_INSTALL, QUICK, blas_thread_count, blas_threads, llama_cpp_available, median_time
 from .kv_cache import gemv_bandwidth
+from .llamacpp import GGUF_TYPES, GGUFWeights, serve_gguf, write_gpt2_gguf
 from .paged import fresh
 from .replay import replay, replay_static, serve_one_by_one
 from .router import missing_extra, run_async, write_random_checkpoint
@@ -731,10 +734,43 @@ def hf_row(model: GPT2Model, requests, threads: int, weights: GPT2Model | None =
 
 
 def llamacpp_note() -> str:
+    """Why there are no llama.cpp rows (``llamacpp_rows`` says so when there are)."""
+    return (f"llama-cpp-python is not installed: no llamacpp rows ({LLAMA_CPP_INSTALL}, which compiles llama.cpp "
+            f"from source: 6-8 minutes on 2 cores)")
+
+
+def llamacpp_rows(model: GPT2Model, requests, threads: int | None) -> tuple[list[dict], str]:
+    """llama.cpp's rows (``bench.llamacpp``): this run's weights written as GGUF files in f32 and q8_0, each served
+    one request at a time, greedy, in a spawned worker (chapter 2's ``kv_cache`` row, run by llama.cpp), offline,
+    its latencies placed on the arrivals as ``kv_cache``'s are; its K/V are float16 (llama.cpp's default).
+    -> (rows, what ran) or ([], why not)."""
     if not llama_cpp_available():
-        return ("llama-cpp-python is not installed: no llamacpp rows (measured on an earlier host of this project, "
-                "a Skylake-X: batch-1 decode in f32 about 60 tok/s, equal to chapter 2's; q8_0 about 2.4x faster)")
-    return "llama-cpp-python is installed, but this benchmark does not write GGUF files yet: no llamacpp rows"
+        return [], llamacpp_note()
+    lengths, rows = lengths_of(requests), []
+    jobs = [([int(t) for t in r.prompt_token_ids], r.max_new_tokens) for r in requests]
+    n_ctx = max(P + N for P, N in lengths)
+    kv = 2 * model.config.n_layer * model.config.n_embd * 2  # float16 K and V of one position
+    with tempfile.TemporaryDirectory() as folder:
+        for qtype in GGUF_TYPES:
+            path = write_gpt2_gguf(model, Path(folder) / f"capstone-{qtype}.gguf", qtype)
+            try:
+                served, seconds, version = serve_gguf(path, n_ctx, jobs, threads)
+            except RuntimeError as e:
+                return rows, f"llama.cpp failed on the {qtype} file: {e}"
+            outputs = [RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, FinishReason.LENGTH, None,
+                                     SequenceMetrics(arrival_time=start, first_scheduled_time=start, token_times=times,
+                                                     finished_time=times[-1] if times else start))
+                       for r, (tokens, start, times) in zip(requests, served)]
+            service = [((t[-1] if t else s) - s, [x - s for x in t]) for _, s, t in served]
+            offline = {"outputs": outputs, "seconds": seconds, "model_steps": sum(N for _, N in lengths),
+                       "kv_bytes_peak": kv * n_ctx}
+            latency = queue_latencies(service, [r.arrival_s for r in requests])
+            rows.append(record(f"llamacpp_{qtype}", model, offline, latency, workload_passes("kv_cache", lengths),
+                               GGUFWeights(path, model.config), kv_bytes_per_position=kv,
+                               kernels=f"llama.cpp (llama-cpp-python {version}), GGUF {qtype}, {threads} threads",
+                               latency_basis="offline service times placed on the arrivals, first come first served"))
+    return rows, (f"llamacpp: llama-cpp-python {version} in a spawned worker, {threads} threads, this run's weights "
+                  f"written as GGUF f32 and q8_0")
 
 
 def compute_bound_row(config: GPT2Config, requests, limits: dict) -> dict:
@@ -888,9 +924,10 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     parts = {"optional": include_optional, "chapter_code": include_chapter_code,
              "speculative": include_speculative, "serving": include_serving,
              "numba_units": progress.if_installed(8, "numba"),
-             "hf_units": progress.if_installed(15, "torch", "transformers") if include_optional else 0}
+             "hf_units": progress.if_installed(15, "torch", "transformers") if include_optional else 0,
+             "llamacpp_units": progress.if_installed(8, "llama_cpp") if include_optional else 0}
     progress.plan(80 + 40 * include_chapter_code + 6 * include_speculative + 9 * include_serving +
-                  parts["numba_units"] + parts["hf_units"], "warming up; the GEMM rates and the bandwidth")
+                  parts["numba_units"] + parts["hf_units"] + parts["llamacpp_units"], "warming up; the GEMM rates and the bandwidth")
     warm_up(model)
     machine = MachineReadings(model, base if include_chapter_code else None, QUICK_RATE_ROWS if quick else RATE_ROWS)
     machine.read()
@@ -937,7 +974,11 @@ def measure_rows(model, base, requests, quick: bool, machine: MachineReadings, s
     if parts["optional"]:
         got, note = hf_row(model, requests, threads, base, arrivals=quick)
         (rows.append(got) if got is not None else skipped.append({"method": "hf_transformers", "reason": note}))
-    skipped.append({"method": "llamacpp", "reason": llamacpp_note()})
+    progress.advance(parts["hf_units"], "llama.cpp" if parts["llamacpp_units"] else None)
+    got, note = llamacpp_rows(base, requests, threads) if parts["optional"] else ([], llamacpp_note())
+    rows += got
+    if not got:
+        skipped.append({"method": "llamacpp", "reason": note})
     return {"rows": rows, "chapter": chapter, "skipped": skipped, "sweep": span_sweep, "speculative": spec}
 
 

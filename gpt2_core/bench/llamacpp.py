@@ -1,0 +1,196 @@
+"""The capstone's llama.cpp rows: the run's own GPT-2 weights written as GGUF files, served by llama.cpp.
+
+llama.cpp is the CPU engine people actually run. To put it beside the series' engines on the same work, this module
+writes the capstone's model (random weights of GPT-2 124M's shape) in llama.cpp's format (``write_gpt2_gguf``): its
+``gpt2`` architecture, every matrix in float32 (``f32``) or in ``q8_0`` (blocks of 32 int8 numbers and one fp16
+scale, 34 bytes), the GPT-2 tokenizer's vocabulary and merges (llama.cpp refuses a file without them; the rows feed
+token ids, never text). ``serve_gguf`` then serves the workload one request at a time, greedy, as chapter 2's
+``kv_cache`` row does, in a spawned worker process (llama.cpp's threads would compete with OpenBLAS's in the main
+one, as numba's do). ``pip install llama-cpp-python`` compiles llama.cpp from source (6-8 minutes on 2 cores);
+without it the capstone lists ``llamacpp`` as skipped.
+
+HF's ``Conv1D`` keeps a weight as [in, out]; llama.cpp's ``gpt2`` reads ``attn_qkv`` as ggml ``{in, out}``, which
+NumPy holds as [out, in]: every block matrix is written transposed (llama.cpp's ``convert_hf_to_gguf.py`` does the
+same). ``tests/test_llamacpp.py`` reads a written file back with the ``gguf`` package and, where llama.cpp is
+installed, checks its logits against chapter 1's forward.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from ..loading.tokenizer import EOT
+from ..loading.weights import GPT2Model
+
+GGUF_TYPES = ("f32", "q8_0")
+MATRICES = {"attn_qkv": ("attn", "c_attn"), "attn_output": ("attn", "c_proj"), "ffn_up": ("mlp", "c_fc"),
+            "ffn_down": ("mlp", "c_proj")}  # llama.cpp's name -> where GPT2Model keeps it
+NORMS = {"attn_norm": "ln_1", "ffn_norm": "ln_2"}
+
+
+def gpt2_vocabulary(tokenizer_json: str | Path | None = None) -> tuple[list[str], list[str]]:
+    """GPT-2's byte-level BPE as GGUF stores it: the tokens by id and the merges (``"a b"``), from the
+    package's GPT-2 ``tokenizer.json``."""
+    import json
+
+    path = Path(tokenizer_json) if tokenizer_json else Path(__file__).parent.parent / "data" / "gpt2_tokenizer" / \
+        "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    vocab = dict(spec["model"]["vocab"])
+    for added in spec.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [None] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    return tokens, merges
+
+
+def write_gpt2_gguf(model: GPT2Model, path: str | Path, qtype: str = "f32") -> Path:
+    """``model`` as a GGUF file llama.cpp's ``gpt2`` architecture loads; ``qtype`` ``"f32"`` or ``"q8_0"``
+    (every block matrix and the embedding table in q8_0; norms, biases and positions stay float32, as llama.cpp's
+    converter leaves them). The LM head is the embedding table (tied, as GPT-2's)."""
+    import gguf
+
+    if qtype not in GGUF_TYPES:
+        raise InvalidInputError(f"qtype must be one of {GGUF_TYPES}, got {qtype!r}")
+    cfg, p = model.config, model.params
+    tokens, merges = gpt2_vocabulary()
+    if len(tokens) != cfg.vocab_size:
+        raise InvalidInputError(f"GPT-2's tokenizer has {len(tokens)} tokens, the model {cfg.vocab_size}: llama.cpp "
+                                f"needs the vocabulary of the model it runs")
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_name("gpt2-numpy capstone (random weights)")
+    w.add_context_length(cfg.n_positions)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_feed_forward_length(4 * cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_head_count(cfg.n_head)
+    w.add_layer_norm_eps(cfg.layer_norm_epsilon)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    eot = tokens.index(EOT)
+    w.add_token_types([gguf.TokenType.CONTROL if i == eot else gguf.TokenType.NORMAL for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(eot)
+    w.add_eos_token_id(eot)
+
+    def matrix(name, a):  # a [rows, cols] as ggml {cols, rows}; q8_0 packs each row's blocks of 32
+        a = np.ascontiguousarray(np.asarray(a, dtype=np.float32))
+        if qtype == "q8_0":
+            w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # [rows, bytes]: the writer reads the shape back
+        else:
+            w.add_tensor(name, a)
+
+    def vector(name, a):
+        w.add_tensor(name, np.ascontiguousarray(np.asarray(a, dtype=np.float32)))
+
+    matrix("token_embd.weight", p["wte"])  # [V, E]: ggml {E, V}, the embedding and the tied LM head
+    vector("position_embd.weight", p["wpe"])  # [n_ctx, E]
+    for i, block in enumerate(p["h"]):
+        for name, ln in NORMS.items():
+            vector(f"blk.{i}.{name}.weight", block[ln]["weight"])
+            vector(f"blk.{i}.{name}.bias", block[ln]["bias"])
+        for name, (module, layer) in MATRICES.items():
+            matrix(f"blk.{i}.{name}.weight", np.asarray(block[module][layer]["weight"]).T)  # [in, out] -> [out, in]
+            vector(f"blk.{i}.{name}.bias", block[module][layer]["bias"])
+    vector("output_norm.weight", p["ln_f"]["weight"])
+    vector("output_norm.bias", p["ln_f"]["bias"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+class GGUFWeights:
+    """What a GGUF file's weights weigh, in the shape chapter 6's ``bytes_per_token`` reads a model: ``nbytes()``,
+    the config, and the two embedding tables' bytes (``params["wte"].nbytes``, ``params["wpe"].nbytes``)."""
+
+    class _Sized:
+        def __init__(self, nbytes: int):
+            self.nbytes = int(nbytes)
+
+    def __init__(self, path: str | Path, config):
+        import gguf
+
+        sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
+        self.config, self._nbytes = config, sum(sizes.values())
+        self.params = {"wte": self._Sized(sizes["token_embd.weight"]), "wpe": self._Sized(sizes["position_embd.weight"])}
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def open_gguf(path, n_ctx: int, threads: int | None):
+    """llama-cpp-python's ``Llama`` on ``path``, CPU only, quiet."""
+    from .modern import open_llama_cpp
+
+    return open_llama_cpp(path, n_ctx=n_ctx, threads=threads)
+
+
+def greedy_stream(llm, prompt_ids, max_new_tokens: int):
+    """llama.cpp's greedy tokens for ``prompt_ids`` from an empty cache, one at a time (chapter 2's
+    ``generate_stream``, run by llama.cpp)."""
+    from .modern import last_logits
+
+    llm.reset()
+    llm.eval([int(t) for t in prompt_ids])
+    for i in range(max_new_tokens):
+        token = int(last_logits(llm).argmax())
+        yield token
+        if i + 1 < max_new_tokens:
+            llm.eval([token])
+
+
+def serve_worker(conn, path: str, n_ctx: int, jobs: list[tuple[list[int], int]], threads: int | None) -> None:
+    """Serve ``jobs`` ([(prompt ids, new tokens)]) one at a time with llama.cpp, in this (spawned) process; send
+    back ([(tokens, start, token times)] per job, the seconds of the whole run), the clock started after one
+    untimed warm-up request."""
+    try:
+        import llama_cpp
+
+        llm = open_gguf(path, n_ctx, threads)
+        list(greedy_stream(llm, jobs[0][0], min(2, jobs[0][1])))  # warm-up: the first eval allocates
+        served, t0 = [], time.perf_counter()
+        for prompt, n in jobs:
+            start, tokens, times = time.perf_counter(), [], []
+            for token in greedy_stream(llm, prompt, n):
+                tokens.append(token)
+                times.append(time.perf_counter())
+            served.append((tokens, start, times))
+        conn.send(("ok", served, time.perf_counter() - t0, llama_cpp.__version__))
+    except Exception as e:  # the main process reports it as the row's note
+        conn.send(("error", f"{type(e).__name__}: {e}", None, None))
+
+
+def serve_gguf(path, n_ctx: int, jobs, threads: int | None, timeout_s: float = 3600.0):
+    """``serve_worker`` in a spawned process -> (served, seconds, llama_cpp version); raises ``RuntimeError`` with
+    the worker's message if it failed."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    worker = ctx.Process(target=serve_worker, args=(child, str(path), n_ctx, jobs, threads), daemon=True)
+    worker.start()
+    child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
+    try:
+        if not conn.poll(timeout_s):
+            raise RuntimeError(f"llama.cpp worker gave no answer in {timeout_s:.0f} s")
+        status, served, seconds, version = conn.recv()
+    except EOFError:
+        raise RuntimeError("llama.cpp worker died (see its stderr)") from None
+    finally:
+        worker.join(timeout=60)
+        if worker.is_alive():
+            worker.kill()
+    if status != "ok":
+        raise RuntimeError(served)
+    return served, seconds, version
