@@ -121,6 +121,14 @@ def test_without_llama_cpp_the_capstone_says_how_to_get_it(monkeypatch, model):
     assert rows == [] and "pip install llama-cpp-python" in note
 
 
+def test_llama_cpp_without_gguf_says_what_is_missing(monkeypatch, model):
+    monkeypatch.setattr(C, "llama_cpp_available", lambda: True)
+    real = C.importlib.util.find_spec
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    rows, note = C.llamacpp_rows(model, [], 1)
+    assert rows == [] and "needs the gguf package" in note
+
+
 # -- where llama.cpp is installed ----------------------------------------------------------------------------------
 
 

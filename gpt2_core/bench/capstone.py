@@ -59,6 +59,7 @@ Timings use random weights of GPT-2 124M's shape (the time of a matmul does not 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import multiprocessing
 import tempfile
 import time
@@ -746,6 +747,9 @@ def llamacpp_rows(model: GPT2Model, requests, threads: int | None) -> tuple[list
     -> (rows, what ran) or ([], why not)."""
     if not llama_cpp_available():
         return [], llamacpp_note()
+    if importlib.util.find_spec("gguf") is None:
+        return [], ("llama-cpp-python is installed, but writing GGUF files needs the gguf package "
+                    "(.venv/bin/pip install gguf)")
     lengths, rows = lengths_of(requests), []
     jobs = [([int(t) for t in r.prompt_token_ids], r.max_new_tokens) for r in requests]
     n_ctx = max(P + N for P, N in lengths)
