@@ -76,7 +76,8 @@ def test_q8_0_file_rounds_each_block_of_32_to_its_own_scale(model, files):
             blocks = a.reshape(-1, 32)
             step = np.abs(blocks).max(axis=1, keepdims=True) / 127  # one int8 step of each block
             err = np.abs(got[name].reshape(-1, 32) - blocks)
-            assert (err <= step * (0.5 + 127 * 2.0 ** -11) + 1e-7).all(), name  # half a step, + 127 times the fp16 scale's rounding
+            # half a step, plus 127 times the rounding of the block's fp16 scale
+            assert (err <= step * (0.5 + 127 * 2.0 ** -11) + 1e-7).all(), name
         else:
             assert kinds[name] == "F32", name
             np.testing.assert_array_equal(got[name], a, err_msg=name)

@@ -931,7 +931,8 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
              "hf_units": progress.if_installed(15, "torch", "transformers") if include_optional else 0,
              "llamacpp_units": progress.if_installed(8, "llama_cpp") if include_optional else 0}
     progress.plan(80 + 40 * include_chapter_code + 6 * include_speculative + 9 * include_serving +
-                  parts["numba_units"] + parts["hf_units"] + parts["llamacpp_units"], "warming up; the GEMM rates and the bandwidth")
+                  parts["numba_units"] + parts["hf_units"] + parts["llamacpp_units"],
+                  "warming up; the GEMM rates and the bandwidth")
     warm_up(model)
     machine = MachineReadings(model, base if include_chapter_code else None, QUICK_RATE_ROWS if quick else RATE_ROWS)
     machine.read()

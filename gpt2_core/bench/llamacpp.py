@@ -125,7 +125,8 @@ class GGUFWeights:
 
         sizes = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
         self.config, self._nbytes = config, sum(sizes.values())
-        self.params = {"wte": self._Sized(sizes["token_embd.weight"]), "wpe": self._Sized(sizes["position_embd.weight"])}
+        self.params = {"wte": self._Sized(sizes["token_embd.weight"]),
+                       "wpe": self._Sized(sizes["position_embd.weight"])}
 
     def nbytes(self) -> int:
         return self._nbytes
