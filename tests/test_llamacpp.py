@@ -9,6 +9,7 @@ import pytest
 from gpt2_core.bench import capstone as C
 from gpt2_core.bench import llamacpp as L
 from gpt2_core.ch01_forward import generation
+from gpt2_core.ch03_batching.sequence import Request
 from gpt2_core.ch06_quantization.quantization import bytes_per_token
 from gpt2_core.errors import InvalidInputError
 from gpt2_core.loading.config import GPT2Config
@@ -59,6 +60,13 @@ def expected(model) -> dict:
 
 
 def test_f32_file_holds_every_tensor_in_llama_cpps_orientation(model, files):
+    E, V, P = CONFIG.n_embd, CONFIG.vocab_size, CONFIG.n_positions
+    shapes = {t.name: t.shape.tolist() for t in gguf.GGUFReader(str(files["f32"])).tensors}
+    # the ggml shapes llama.cpp's gpt2 loader asks for (src/models/gpt2.cpp), written out, not rebuilt from the writer
+    assert shapes["token_embd.weight"] == [E, V] and shapes["position_embd.weight"] == [E, P]
+    assert shapes["blk.0.attn_qkv.weight"] == [E, 3 * E] and shapes["blk.0.attn_output.weight"] == [E, E]
+    assert shapes["blk.1.ffn_up.weight"] == [E, 4 * E] and shapes["blk.1.ffn_down.weight"] == [4 * E, E]
+    assert shapes["blk.1.ffn_up.bias"] == [4 * E] and shapes["output_norm.weight"] == [E]
     got, want = tensors(files["f32"]), expected(model)
     assert set(got) == set(want)
     for name, a in want.items():
@@ -114,20 +122,40 @@ def test_bad_arguments_are_refused(model, tmp_path):
     small = tiny_model(config=GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_head=4, n_layer=1))
     with pytest.raises(InvalidInputError, match="vocabulary"):
         L.write_gpt2_gguf(small, tmp_path / "y.gguf")
+    assert "multiple of 32" in L.gguf_unsupported(GPT2Config(vocab_size=50257, n_embd=48, n_head=4, n_layer=1))
 
 
 def test_without_llama_cpp_the_capstone_says_how_to_get_it(monkeypatch, model):
     monkeypatch.setattr(C, "llama_cpp_available", lambda: False)
-    rows, note = C.llamacpp_rows(model, [], 1)
-    assert rows == [] and "pip install llama-cpp-python" in note
+    rows, skipped = C.llamacpp_rows(model, [], 1)
+    assert rows == [] and "pip install llama-cpp-python" in skipped[0]["reason"]
 
 
-def test_llama_cpp_without_gguf_says_what_is_missing(monkeypatch, model):
+def test_llama_cpp_without_gguf_or_for_another_vocabulary_says_why(monkeypatch, model):
     monkeypatch.setattr(C, "llama_cpp_available", lambda: True)
+    small = tiny_model(config=GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_head=4, n_layer=1))
+    assert "vocabulary" in C.llamacpp_rows(small, [], 1)[1][0]["reason"]
     real = C.importlib.util.find_spec
     monkeypatch.setattr(C.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
-    rows, note = C.llamacpp_rows(model, [], 1)
-    assert rows == [] and "needs the gguf package" in note
+    rows, skipped = C.llamacpp_rows(model, [], 1)
+    assert rows == [] and "needs the gguf package" in skipped[0]["reason"]
+
+
+def test_a_failing_llama_cpp_costs_its_row_only(monkeypatch, model):
+    """One file that llama.cpp cannot serve: that row is skipped with the reason, the other is measured."""
+    monkeypatch.setattr(C, "llama_cpp_available", lambda: True)
+    requests = [Request(0, np.array([5, 6, 7]), 2, stop_at_eos=False)]
+
+    def serve(path, n_ctx, jobs, threads):
+        if "q8_0" in str(path):
+            raise RuntimeError("llama.cpp worker died (exit code -6)")
+        return [([1, 2], 10.0, [10.5, 10.75])], 1.0, "test"
+    monkeypatch.setattr(C, "serve_gguf", serve)
+    rows, skipped = C.llamacpp_rows(model, requests, 1)
+    assert [r["method"] for r in rows] == ["llamacpp_f32"] and rows[0]["tokens_per_s"] == 2.0
+    assert rows[0]["ttft_p50_s"] == pytest.approx(0.5) and rows[0]["itl_p50_s"] == pytest.approx(0.25)
+    assert skipped == [{"method": "llamacpp_q8_0", "reason": "llama.cpp failed on the q8_0 file: RuntimeError: "
+                                                           "llama.cpp worker died (exit code -6)"}]
 
 
 # -- where llama.cpp is installed ----------------------------------------------------------------------------------
@@ -135,13 +163,11 @@ def test_llama_cpp_without_gguf_says_what_is_missing(monkeypatch, model):
 
 def test_llama_cpp_runs_the_file_as_chapter_1_does(model, files):
     pytest.importorskip("llama_cpp")
-    from gpt2_core.bench.modern import last_logits
-
     ids = [464, 3290, 318, 257, 922, 1110, 13, 198, 40, 588]
-    llm = L.open_gguf(files["f32"], n_ctx=CONFIG.n_positions, threads=1)
+    llm = L.open_llama_cpp(files["f32"], n_ctx=CONFIG.n_positions, threads=1)
     llm.reset()
     llm.eval(ids)
-    theirs = last_logits(llm)
+    theirs = L.last_logits(llm)
     ours = generation.next_token_logits(model, np.array(ids))
     assert np.abs(theirs - ours).max() <= 3e-3 * np.abs(ours).max()  # llama.cpp keeps K/V in float16
     tokens = list(L.greedy_stream(llm, ids, 8))
@@ -154,9 +180,10 @@ def test_capstone_llama_cpp_rows_serve_the_workload(model):
 
     requests = poisson_workload(3, 50.0, CONFIG.vocab_size, seed=0, prompt_len=(10, 0.5, 3, 20),
                                 output_len=(5, 0.5, 2, 8))
-    rows, note = C.llamacpp_rows(model, requests, 1)
-    assert [r["method"] for r in rows] == ["llamacpp_f32", "llamacpp_q8_0"], note
+    rows, skipped = C.llamacpp_rows(model, requests, 1)
+    assert [r["method"] for r in rows] == ["llamacpp_f32", "llamacpp_q8_0"], skipped
     for r in rows:
         assert r["output_tokens"] == sum(q.max_new_tokens for q in requests) and r["tokens_per_s"] > 0
+        assert r["ttft_p50_s"] > 0 and r["itl_p50_s"] > 0
         assert r["kv_bytes_per_position"] == 2 * CONFIG.n_layer * CONFIG.n_embd * 2  # float16 K/V
     assert rows[1]["weight_bytes"] < rows[0]["weight_bytes"] / 3

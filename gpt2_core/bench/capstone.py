@@ -96,7 +96,7 @@ from . import progress
 from .batching import decode_step_runner, gemm_bound_tokens_per_s, replay_hf, warm_up
 from .common import GRADING, LLAMA_CPP_INSTALL, QUICK, blas_thread_count, blas_threads, llama_cpp_available, median_time
 from .kv_cache import gemv_bandwidth
-from .llamacpp import GGUF_TYPES, GGUFWeights, serve_gguf, write_gpt2_gguf
+from .llamacpp import GGUF_TYPES, GGUFWeights, gguf_unsupported, serve_gguf, write_gpt2_gguf
 from .paged import fresh
 from .replay import replay, replay_static, serve_one_by_one
 from .router import missing_extra, run_async, write_random_checkpoint
@@ -147,6 +147,13 @@ def queue_latencies(service: list[tuple[float, list[float]]], arrivals: list[flo
             ttft.append(start + offsets[0] - arrivals[i])
             gaps += list(np.diff(offsets))
     return latency_fields(ttft, gaps)
+
+
+def service_times(outputs: list[RequestOutput]) -> list[tuple[float, list[float]]]:
+    """Per output served alone: (its seconds, its tokens' offsets from its start), as ``queue_latencies`` takes
+    them."""
+    return [(o.metrics.finished_time - o.metrics.arrival_time,
+             [t - o.metrics.arrival_time for t in o.metrics.token_times]) for o in outputs]
 
 
 NO_LATENCY = {"ttft_p50_s": None, "itl_p50_s": None, "itl_p99_s": None}
@@ -403,8 +410,7 @@ def naive_row(model: GPT2Model, requests, stride: int, weights: GPT2Model | None
 def kv_cache_row(model: GPT2Model, requests, weights: GPT2Model | None = None) -> tuple[dict, list]:
     """Chapter 2, one request at a time, offline; its latencies by placing each service time on the arrivals."""
     outputs, seconds = serve_one_by_one(model, at_zero(requests), kv_cache.generate_stream)
-    service = [(o.metrics.finished_time - o.metrics.arrival_time,
-                [t - o.metrics.arrival_time for t in o.metrics.token_times]) for o in outputs]
+    service = service_times(outputs)
     lengths = lengths_of(requests)
     kv = max(kv_cache_bytes(model.config, generation.positions_needed(P, N)) for P, N in lengths)
     offline = {"outputs": outputs, "seconds": seconds, "model_steps": sum(N for _, N in lengths), "kv_bytes_peak": kv}
@@ -740,41 +746,48 @@ def llamacpp_note() -> str:
             f"from source: 6-8 minutes on 2 cores)")
 
 
-def llamacpp_rows(model: GPT2Model, requests, threads: int | None) -> tuple[list[dict], str]:
+def llamacpp_rows(model: GPT2Model, requests, threads: int | None) -> tuple[list[dict], list[dict]]:
     """llama.cpp's rows (``bench.llamacpp``): this run's weights written as GGUF files in f32 and q8_0, each served
     one request at a time, greedy, in a spawned worker (chapter 2's ``kv_cache`` row, run by llama.cpp), offline,
     its latencies placed on the arrivals as ``kv_cache``'s are; its K/V are float16 (llama.cpp's default).
-    -> (rows, what ran) or ([], why not)."""
+    -> (the rows, a skipped entry for each row that could not be made: why). A failure costs its row only."""
+    why = None
     if not llama_cpp_available():
-        return [], llamacpp_note()
-    if importlib.util.find_spec("gguf") is None:
-        return [], ("llama-cpp-python is installed, but writing GGUF files needs the gguf package "
-                    "(.venv/bin/pip install gguf)")
-    lengths, rows = lengths_of(requests), []
+        why = llamacpp_note()
+    elif importlib.util.find_spec("gguf") is None:
+        why = ("llama-cpp-python is installed, but writing GGUF files needs the gguf package "
+               "(.venv/bin/pip install gguf)")
+    else:
+        why = gguf_unsupported(model.config)
+    if why is not None:
+        return [], [{"method": "llamacpp", "reason": why}]
+    lengths, rows, skipped = lengths_of(requests), [], []
     jobs = [([int(t) for t in r.prompt_token_ids], r.max_new_tokens) for r in requests]
     n_ctx = max(P + N for P, N in lengths)
     kv = 2 * model.config.n_layer * model.config.n_embd * 2  # float16 K and V of one position
-    with tempfile.TemporaryDirectory() as folder:
-        for qtype in GGUF_TYPES:
-            path = write_gpt2_gguf(model, Path(folder) / f"capstone-{qtype}.gguf", qtype)
+    for qtype in GGUF_TYPES:
+        with tempfile.TemporaryDirectory() as folder:  # one file at a time: 0.5 GB in f32 for GPT-2 124M
             try:
+                path = write_gpt2_gguf(model, Path(folder) / f"capstone-{qtype}.gguf", qtype)
                 served, seconds, version = serve_gguf(path, n_ctx, jobs, threads)
-            except RuntimeError as e:
-                return rows, f"llama.cpp failed on the {qtype} file: {e}"
-            outputs = [RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, FinishReason.LENGTH, None,
-                                     SequenceMetrics(arrival_time=start, first_scheduled_time=start, token_times=times,
-                                                     finished_time=times[-1] if times else start))
-                       for r, (tokens, start, times) in zip(requests, served)]
-            service = [((t[-1] if t else s) - s, [x - s for x in t]) for _, s, t in served]
-            offline = {"outputs": outputs, "seconds": seconds, "model_steps": sum(N for _, N in lengths),
-                       "kv_bytes_peak": kv * n_ctx}
-            latency = queue_latencies(service, [r.arrival_s for r in requests])
-            rows.append(record(f"llamacpp_{qtype}", model, offline, latency, workload_passes("kv_cache", lengths),
-                               GGUFWeights(path, model.config), kv_bytes_per_position=kv,
-                               kernels=f"llama.cpp (llama-cpp-python {version}), GGUF {qtype}, {threads} threads",
-                               latency_basis="offline service times placed on the arrivals, first come first served"))
-    return rows, (f"llamacpp: llama-cpp-python {version} in a spawned worker, {threads} threads, this run's weights "
-                  f"written as GGUF f32 and q8_0")
+                weights = GGUFWeights(path, model.config)
+            except Exception as e:  # llama.cpp or the file: this row is lost, not the run
+                skipped.append({"method": f"llamacpp_{qtype}", "reason": f"llama.cpp failed on the {qtype} file: "
+                                                                          f"{type(e).__name__}: {e}"})
+                continue
+        outputs = [RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, FinishReason.LENGTH, None,
+                                 SequenceMetrics(arrival_time=start, first_scheduled_time=start, token_times=times,
+                                                 finished_time=times[-1] if times else start))
+                   for r, (tokens, start, times) in zip(requests, served)]
+        offline = {"outputs": outputs, "seconds": seconds, "model_steps": sum(N for _, N in lengths),
+                   "kv_bytes_peak": kv * n_ctx}
+        latency = queue_latencies(service_times(outputs), [r.arrival_s for r in requests])
+        rows.append(record(f"llamacpp_{qtype}", model, offline, latency, workload_passes("kv_cache", lengths),
+                           weights, kv_bytes_per_position=kv,
+                           kernels=f"llama.cpp (llama-cpp-python {version}), GGUF {qtype}, "
+                                   f"{threads or 'its default'} threads",
+                           latency_basis="offline service times placed on the arrivals, first come first served"))
+    return rows, skipped
 
 
 def compute_bound_row(config: GPT2Config, requests, limits: dict) -> dict:
@@ -929,7 +942,7 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
              "speculative": include_speculative, "serving": include_serving,
              "numba_units": progress.if_installed(8, "numba"),
              "hf_units": progress.if_installed(15, "torch", "transformers") if include_optional else 0,
-             "llamacpp_units": progress.if_installed(8, "llama_cpp") if include_optional else 0}
+             "llamacpp_units": progress.if_installed(12, "llama_cpp") if include_optional else 0}
     progress.plan(80 + 40 * include_chapter_code + 6 * include_speculative + 9 * include_serving +
                   parts["numba_units"] + parts["hf_units"] + parts["llamacpp_units"],
                   "warming up; the GEMM rates and the bandwidth")
@@ -980,10 +993,10 @@ def measure_rows(model, base, requests, quick: bool, machine: MachineReadings, s
         got, note = hf_row(model, requests, threads, base, arrivals=quick)
         (rows.append(got) if got is not None else skipped.append({"method": "hf_transformers", "reason": note}))
     progress.advance(parts["hf_units"], "llama.cpp" if parts["llamacpp_units"] else None)
-    got, note = llamacpp_rows(base, requests, threads) if parts["optional"] else ([], llamacpp_note())
-    rows += got
-    if not got:
-        skipped.append({"method": "llamacpp", "reason": note})
+    if parts["optional"]:
+        got, missing = llamacpp_rows(base, requests, threads)
+        rows += got
+        skipped += missing
     return {"rows": rows, "chapter": chapter, "skipped": skipped, "sweep": span_sweep, "speculative": spec}
 
 

