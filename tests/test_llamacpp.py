@@ -9,7 +9,8 @@ import pytest
 from gpt2_core.bench import capstone as C
 from gpt2_core.bench import llamacpp as L
 from gpt2_core.ch01_forward import generation
-from gpt2_core.ch03_batching.sequence import Request
+from gpt2_core.ch03_batching.engine import RequestOutput
+from gpt2_core.ch03_batching.sequence import FinishReason, Request, SequenceMetrics
 from gpt2_core.ch06_quantization.quantization import bytes_per_token
 from gpt2_core.errors import InvalidInputError
 from gpt2_core.loading.config import GPT2Config
@@ -146,10 +147,12 @@ def test_a_failing_llama_cpp_costs_its_row_only(monkeypatch, model):
     monkeypatch.setattr(C, "llama_cpp_available", lambda: True)
     requests = [Request(0, np.array([5, 6, 7]), 2, stop_at_eos=False)]
 
-    def serve(path, n_ctx, jobs, threads):
+    def serve(path, n_ctx, requests, threads):
         if "q8_0" in str(path):
             raise RuntimeError("llama.cpp worker died (exit code -6)")
-        return [([1, 2], 10.0, [10.5, 10.75])], 1.0, "test"
+        m = SequenceMetrics(arrival_time=10.0, first_scheduled_time=10.0, token_times=[10.5, 10.75],
+                            finished_time=10.75)
+        return [RequestOutput(0, [5, 6, 7], [1, 2], FinishReason.LENGTH, None, m)], 1.0, "test"
     monkeypatch.setattr(C, "serve_gguf", serve)
     rows, skipped = C.llamacpp_rows(model, requests, 1)
     assert [r["method"] for r in rows] == ["llamacpp_f32"] and rows[0]["tokens_per_s"] == 2.0

@@ -762,23 +762,18 @@ def llamacpp_rows(model: GPT2Model, requests, threads: int | None) -> tuple[list
     if why is not None:
         return [], [{"method": "llamacpp", "reason": why}]
     lengths, rows, skipped = lengths_of(requests), [], []
-    jobs = [([int(t) for t in r.prompt_token_ids], r.max_new_tokens) for r in requests]
     n_ctx = max(P + N for P, N in lengths)
     kv = 2 * model.config.n_layer * model.config.n_embd * 2  # float16 K and V of one position
     for qtype in GGUF_TYPES:
         with tempfile.TemporaryDirectory() as folder:  # one file at a time: 0.5 GB in f32 for GPT-2 124M
             try:
                 path = write_gpt2_gguf(model, Path(folder) / f"capstone-{qtype}.gguf", qtype)
-                served, seconds, version = serve_gguf(path, n_ctx, jobs, threads)
+                outputs, seconds, version = serve_gguf(path, n_ctx, requests, threads)
                 weights = GGUFWeights(path, model.config)
             except Exception as e:  # llama.cpp or the file: this row is lost, not the run
                 skipped.append({"method": f"llamacpp_{qtype}", "reason": f"llama.cpp failed on the {qtype} file: "
                                                                           f"{type(e).__name__}: {e}"})
                 continue
-        outputs = [RequestOutput(r.request_id, list(r.prompt_token_ids), tokens, FinishReason.LENGTH, None,
-                                 SequenceMetrics(arrival_time=start, first_scheduled_time=start, token_times=times,
-                                                 finished_time=times[-1] if times else start))
-                   for r, (tokens, start, times) in zip(requests, served)]
         offline = {"outputs": outputs, "seconds": seconds, "model_steps": sum(N for _, N in lengths),
                    "kv_bytes_peak": kv * n_ctx}
         latency = queue_latencies(service_times(outputs), [r.arrival_s for r in requests])

@@ -168,33 +168,29 @@ def greedy_stream(llm, prompt_ids, max_new_tokens: int):
             llm.eval([token])
 
 
-def serve_worker(conn, path: str, n_ctx: int, jobs: list[tuple[list[int], int]], threads: int | None) -> None:
-    """Serve ``jobs`` ([(prompt ids, new tokens)]) one at a time with llama.cpp, in this (spawned) process; send
-    back ("ok", [(tokens, start, token times)] per job, the seconds of the whole run, llama-cpp-python's version),
-    the clock started after one untimed warm-up request, or ("error", what was raised, None, None)."""
+def serve_worker(conn, path: str, n_ctx: int, requests, threads: int | None) -> None:
+    """Serve ``requests`` one at a time with llama.cpp (``replay.serve_one_by_one`` over ``greedy_stream``), in
+    this (spawned) process; send back ("ok", their outputs, the seconds of the whole run, llama-cpp-python's
+    version), the clock started after one untimed warm-up request, or ("error", what was raised, None, None)."""
     try:
         import llama_cpp
 
+        from .replay import serve_one_by_one
+
         llm = open_llama_cpp(path, n_ctx, threads=threads)
-        list(greedy_stream(llm, jobs[0][0], min(2, jobs[0][1])))  # warm-up: the first eval allocates
-        served, t0 = [], time.perf_counter()
-        for prompt, n in jobs:
-            start, tokens, times = time.perf_counter(), [], []
-            for token in greedy_stream(llm, prompt, n):
-                tokens.append(token)
-                times.append(time.perf_counter())
-            served.append((tokens, start, times))
-        conn.send(("ok", served, time.perf_counter() - t0, llama_cpp.__version__))
+        list(greedy_stream(llm, requests[0].prompt_token_ids, min(2, requests[0].max_new_tokens)))  # warm-up
+        outputs, seconds = serve_one_by_one(llm, requests, lambda m, ids, n, stop_at_eos: greedy_stream(m, ids, n))
+        conn.send(("ok", outputs, seconds, llama_cpp.__version__))
     except Exception as e:  # the main process reports it as the row's note
         conn.send(("error", f"{type(e).__name__}: {e}", None, None))
 
 
-def serve_gguf(path, n_ctx: int, jobs, threads: int | None, timeout_s: float = 3600.0):
-    """``serve_worker`` in a spawned process -> (served, seconds, llama_cpp version); raises ``RuntimeError`` with
+def serve_gguf(path, n_ctx: int, requests, threads: int | None, timeout_s: float = 3600.0):
+    """``serve_worker`` in a spawned process -> (outputs, seconds, llama_cpp version); raises ``RuntimeError`` with
     the worker's message if it failed."""
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    worker = ctx.Process(target=serve_worker, args=(child, str(path), n_ctx, jobs, threads), daemon=True)
+    worker = ctx.Process(target=serve_worker, args=(child, str(path), n_ctx, list(requests), threads), daemon=True)
     worker.start()
     child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
     try:
