@@ -5,6 +5,8 @@
   them), also with scores above 100, where a softmax without its maximum subtracted overflows.
 * Through chapter 3's ``ragged_forward`` and engine, the paged-attention store gives chapter 4's logits within
   1e-5 and the same greedy tokens, with sequences whose blocks interleave in the pool and under preemption.
+* The store reads in place while a sequence's runs are few for its length (at most 1 + S / ``run_cost_tokens``)
+  and gathers beyond, with the same logits either way.
 """
 
 import numpy as np
@@ -16,6 +18,7 @@ from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.errors import CacheCapacityError
 from gpt2_core.ch01_forward.model import decode_attention
 from gpt2_core.ch03_batching.model_runner import Chunk, ragged_forward
+from gpt2_core.ch05_sharing import paged_attention
 from gpt2_core.ch05_sharing.paged_attention import PagedAttentionKVStore, contiguous_runs, paged_decode_attention
 from gpt2_core.ch04_paged.paged_kv_store import PagedKVStore
 from gpt2_core.ch03_batching.sequence import FinishReason, Request
@@ -99,12 +102,41 @@ def test_paged_attention_store_gives_chapter_4s_logits(block_size):
     prompts = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (5, 1, 7, 3)]
     gathered, tokens = interleaved_steps(PagedKVStore(CFG, num_blocks=64, block_size=block_size), prompts, 8)
     store = PagedAttentionKVStore(CFG, num_blocks=64, block_size=block_size)
+    store.run_cost_tokens = 0  # in place however scattered: the online softmax over many runs is what is checked
     in_place, paged_tokens = interleaved_steps(store, prompts, 8)
     assert paged_tokens == tokens
     for a, b in zip(in_place, gathered):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     if block_size < 16:  # the sequences grew in turns: their blocks interleave, several runs each
         assert max(len(contiguous_runs(store.slots[i][:len(s) - 1])) for i, s in enumerate(tokens)) > 1
+
+
+def test_the_store_reads_in_place_while_the_runs_are_few_and_gathers_when_they_are_many(monkeypatch):
+    read_in_place = []  # (runs, tokens) of every decode attention read in place
+    real = paged_attention.paged_decode_attention
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda q, pool, runs, *a: read_in_place.append(
+        (len(runs), sum(end - first for first, end in runs))) or real(q, pool, runs, *a))
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (6, 2, 5)]
+    gathered, tokens = interleaved_steps(PagedKVStore(CFG, num_blocks=64, block_size=2), prompts, 6)
+    decodes = 5 * len(prompts) * CFG.n_layer  # the steps after the prefill x sequences x layers
+    for cost in (0, 3, 1000):
+        read_in_place.clear()
+        store = PagedAttentionKVStore(CFG, num_blocks=64, block_size=2)
+        store.run_cost_tokens = cost
+        got, got_tokens = interleaved_steps(store, prompts, 6)
+        assert got_tokens == tokens  # the same tokens and logits whichever way each read went
+        for a, b in zip(got, gathered):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        assert all((runs - 1) * cost <= tokens for runs, tokens in read_in_place)  # the rule
+        many = max(runs for runs, _ in read_in_place)
+        if cost == 0:  # always in place, however many runs
+            assert len(read_in_place) == decodes and many > 2
+        elif cost == 3:  # some in place in several runs, the longest ones gathered
+            assert many > 1 and 0 < len(read_in_place) < decodes
+        else:  # only a sequence in one run is read in place
+            assert many == 1 and len(read_in_place) < decodes
+    assert PagedAttentionKVStore.run_cost_tokens == paged_attention.RUN_COST_TOKENS == 100
 
 
 def test_decode_outside_the_reserved_room_is_an_error_that_writes_nothing():

@@ -12,6 +12,10 @@ weighted sum ``acc`` of its values; two such partial results are merged by resca
 ``exp(m_old - m_new)``. After the last run ``acc / l`` is exactly softmax(scores) @ V, up to float32 rounding, and
 no [H, S] score array of the whole sequence, and no copy of its K/V, is ever made.
 
+Each run costs a handful of NumPy calls. A sequence whose blocks lie in many short runs (blocks handed out as it
+grew, beside other sequences') pays more for those calls than the copy saves: the store then gathers, as chapter 4's
+does (``RUN_COST_TOKENS``). A GPU kernel walks the block table inside one launch and never needs to choose.
+
 A pool that keeps K/V in fewer bytes (chapter 6 hands the store an fp16 or int8 codec) is decoded run by run, as
 attention reads it: only the blocks read are turned back into float32, one run at a time. Chapter 4's float32 codec
 decodes nothing, and a run stays a view.
@@ -52,12 +56,21 @@ def paged_decode_attention(q, pool, runs, codec=FP32, scales=None):  # q [H, 1, 
     return acc / l  # [H, 1, D]: softmax(all scores) @ all values
 
 
+# A run of blocks beyond the first costs ``paged_decode_attention`` about what reading in place instead of gathering
+# saves on 100 tokens: 70-117 in the timings of notebook 05's section 1 (``notebooks/results/prefix.json``).
+RUN_COST_TOKENS = 100
+
+
 class PagedAttentionKVStore(PagedKVStore):
     """Chapter 4's paged store whose decode attention reads the blocks in place (``paged_decode_attention``).
 
     Prefill chunks still go through ``update`` (scatter the chunk, gather the history for the causal attention);
-    a decoding token is scattered into its slot and attended to without a gather.
+    a decoding token is scattered into its slot and attended to without a gather, unless its blocks are so scattered
+    that the calls of one run each cost more than the copy they save: with more than 1 + S / ``run_cost_tokens``
+    runs for S tokens, chapter 4's gather reads them (``run_cost_tokens = 0``: always in place).
     """
+
+    run_cost_tokens = RUN_COST_TOKENS
 
     def __init__(self, config, num_blocks: int, block_size: int = 16, codec: KVCodec = FP32):
         super().__init__(config, num_blocks, block_size, codec)
@@ -68,12 +81,15 @@ class PagedAttentionKVStore(PagedKVStore):
         if not 0 <= start < len(slots):
             raise CacheCapacityError(f"sequence {seq_id!r}: position {start} is outside its {len(slots)} reserved "
                                      f"slots (call ensure first)")
-        self.write(layer, slots[start:start + 1], k, v)  # the new token's K and V into its slot, nothing gathered
-        self.written[seq_id] = max(self.written[seq_id], start + 1)
         if self.runs.get(seq_id, (None,))[0] != start + 1:  # a new length: layer 0 of this step finds the runs
             self.runs[seq_id] = (start + 1, contiguous_runs(slots[:start + 1]))
+        runs = self.runs[seq_id][1]
+        if (len(runs) - 1) * self.run_cost_tokens > start + 1:  # scattered: one gather costs less than their calls
+            return super().attend_decode(seq_id, layer, start, q, k, v)  # chapter 4's: write, gather, attend
+        self.write(layer, slots[start:start + 1], k, v)  # the new token's K and V into its slot, nothing gathered
+        self.written[seq_id] = max(self.written[seq_id], start + 1)
         scales = None if self.scales is None else self.scales[layer]  # [slots, 2, H] if the codec keeps scales
-        return paged_decode_attention(q, self.kv[layer], self.runs[seq_id][1], self.codec, scales)
+        return paged_decode_attention(q, self.kv[layer], runs, self.codec, scales)
 
     def _refresh_slots(self, seq_id) -> None:
         super()._refresh_slots(seq_id)
