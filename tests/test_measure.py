@@ -108,3 +108,41 @@ def test_peak_memory_leaves_a_callers_tracing_on():
         assert tracemalloc.is_tracing()  # the caller's own tracing survives the measurement
     finally:
         tracemalloc.stop()
+
+
+def answers(conn, x):  # the workers of the test below: module-level, so that a spawned process can import them
+    conn.send(x * 2)
+
+
+def dies(conn, code):
+    os._exit(code)
+
+
+def hangs(conn):
+    import time
+    time.sleep(60)
+
+
+def test_in_spawned_process_returns_the_answer_or_names_a_death_or_a_hang():
+    import time
+
+    from gpt2_core.bench import capstone
+    from gpt2_core.bench import common as measure
+
+    assert measure.in_spawned_process(answers, (21,), "doubler") == 42
+    with pytest.raises(RuntimeError, match=r"^the worker died \(exit code 3\)$"):
+        measure.in_spawned_process(dies, (3,), "the worker")
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"^the sleeper gave no answer in 2 s \(killed\)$"):
+        measure.in_spawned_process(hangs, (), "the sleeper", timeout_s=2)
+    assert time.perf_counter() - t0 < 30  # not the worker's 60 s
+    # the int8_numba row: a failing worker costs its row (a note saying why), not the capstone's run
+    if capstone.quant_kernels.numba_available():
+        def fail(*args, **kwargs):
+            raise RuntimeError("the int8_numba worker died (exit code -9)")
+        real, capstone.in_spawned_process = capstone.in_spawned_process, fail
+        try:
+            assert capstone.numba_row(None, [], None) == (None, None, "int8_numba: the int8_numba worker died "
+                                                                       "(exit code -9)")
+        finally:
+            capstone.in_spawned_process = real

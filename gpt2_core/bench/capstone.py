@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import multiprocessing
 import tempfile
 import time
 from dataclasses import replace
@@ -94,7 +93,8 @@ from ..loading.weights import GPT2Model, load_model, random_model
 from . import workload as wl
 from . import progress
 from .batching import decode_step_runner, gemm_bound_tokens_per_s, replay_hf, warm_up
-from .common import GRADING, LLAMA_CPP_INSTALL, QUICK, blas_thread_count, blas_threads, llama_cpp_available, median_time
+from .common import (GRADING, LLAMA_CPP_INSTALL, QUICK, blas_thread_count, blas_threads, in_spawned_process,
+                     llama_cpp_available, median_time)
 from .kv_cache import gemv_bandwidth
 from .llamacpp import GGUF_TYPES, GGUFWeights, gguf_unsupported, serve_gguf, write_gpt2_gguf
 from .paged import fresh
@@ -702,15 +702,10 @@ def numba_row(config: GPT2Config, requests, threads: int | None) -> tuple[dict |
     """The kernel's row and its tokens from a spawned worker process, or (None, None, why not)."""
     if not quant_kernels.numba_available():
         return None, None, f"numba is not installed: no int8_numba row ({quant_kernels.INSTALL})"
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    worker = ctx.Process(target=numba_worker, args=(child, config, requests, threads), daemon=True)
-    worker.start()
-    child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
     try:
-        row, tokens = conn.recv()
-    finally:
-        worker.join(timeout=60)
+        row, tokens = in_spawned_process(numba_worker, (config, requests, threads), "the int8_numba worker")
+    except RuntimeError as e:  # a failure costs this row, not the run
+        return None, None, f"int8_numba: {e}"
     return row, tokens, "int8_numba: measured in a spawned worker process (numba's threads slow OpenBLAS)"
 
 

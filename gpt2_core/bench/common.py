@@ -7,6 +7,7 @@ are compared as ratios measured side by side in the same run, never against numb
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
 import platform
 import statistics
@@ -156,3 +157,27 @@ def interleaved(runs: dict, rounds: int, measure=None) -> dict:
         for name in turn_order(runs, r):
             readings[name].append(measure(runs[name], r))
     return readings
+
+
+def in_spawned_process(target: Callable, args: tuple, what: str, timeout_s: float = 3600.0):
+    """``target(conn, *args)`` in a spawned process, which sends one answer on ``conn``: -> that answer. Raises
+    ``RuntimeError`` naming ``what`` if the process ends without answering (with its exit code) or gives no answer
+    in ``timeout_s`` (it is killed)."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    worker = ctx.Process(target=target, args=(child, *args), daemon=True)
+    worker.start()
+    child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
+    try:
+        if not conn.poll(timeout_s):
+            worker.kill()
+            raise RuntimeError(f"{what} gave no answer in {timeout_s:.0f} s (killed)")
+        return conn.recv()
+    except EOFError:
+        worker.join(timeout=10)
+        raise RuntimeError(f"{what} died (exit code {worker.exitcode})") from None
+    finally:
+        conn.close()
+        worker.join(timeout=60)
+        if worker.is_alive():
+            worker.kill()

@@ -17,7 +17,6 @@ installed, checks its logits against chapter 1's forward.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import numpy as np
 from ..errors import InvalidInputError
 from ..loading.tokenizer import EOT
 from ..loading.weights import GPT2_TOKENIZER_FILE, GPT2Model
+from .common import in_spawned_process
 
 GGUF_TYPES = ("f32", "q8_0")
 MATRICES = {"attn_qkv": ("attn", "c_attn"), "attn_output": ("attn", "c_proj"), "ffn_up": ("mlp", "c_fc"),
@@ -188,24 +188,8 @@ def serve_worker(conn, path: str, n_ctx: int, requests, threads: int | None) -> 
 def serve_gguf(path, n_ctx: int, requests, threads: int | None, timeout_s: float = 3600.0):
     """``serve_worker`` in a spawned process -> (outputs, seconds, llama_cpp version); raises ``RuntimeError`` with
     the worker's message if it failed."""
-    ctx = multiprocessing.get_context("spawn")
-    conn, child = ctx.Pipe()
-    worker = ctx.Process(target=serve_worker, args=(child, str(path), n_ctx, list(requests), threads), daemon=True)
-    worker.start()
-    child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
-    try:
-        if not conn.poll(timeout_s):
-            worker.kill()
-            raise RuntimeError(f"llama.cpp worker gave no answer in {timeout_s:.0f} s (killed)")
-        status, served, seconds, version = conn.recv()
-    except EOFError:
-        worker.join(timeout=10)
-        raise RuntimeError(f"llama.cpp worker died (exit code {worker.exitcode})") from None
-    finally:
-        conn.close()
-        worker.join(timeout=60)
-        if worker.is_alive():
-            worker.kill()
+    status, served, seconds, version = in_spawned_process(serve_worker, (str(path), n_ctx, list(requests), threads),
+                                                          "llama.cpp worker", timeout_s)
     if status != "ok":
         raise RuntimeError(served)
     return served, seconds, version
