@@ -57,7 +57,7 @@ def paged_decode_attention(q, pool, runs, codec=FP32, scales=None):  # q [H, 1, 
 
 
 # A run of blocks beyond the first costs ``paged_decode_attention`` about what reading in place instead of gathering
-# saves on 100 tokens: 70-117 in the timings of notebook 05's section 1 (``notebooks/results/prefix.json``).
+# saves on 100 tokens: 70-116 in the timings of notebook 05's section 1 (``notebooks/results/prefix.json``).
 RUN_COST_TOKENS = 100
 
 
