@@ -65,7 +65,7 @@ FEATURES = {  # name -> (num_blocks, block_size, max_num_batched_tokens, prefix 
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-def test_every_feature_gives_the_tokens_of_running_alone_and_chapter_4s_logits(feature):
+def test_every_feature_gives_the_tokens_of_running_alone_and_chapter_4s_logits(feature, run_cost_tokens):
     num_blocks, bs, budget, caching, chunking = FEATURES[feature]
     log4, log5 = {}, {}
     chapter4 = LLMEngine(MODEL, store=PagedKVStore(CFG, 256, 4), max_num_seqs=4)
@@ -119,7 +119,7 @@ def test_a_finished_conversation_turn_is_cached_for_the_next_turn_including_its_
 
 
 @pytest.mark.parametrize("prompt_len", [22, 24])
-def test_n_samples_share_the_prompts_blocks_and_each_is_a_seeded_lone_run(prompt_len):
+def test_n_samples_share_the_prompts_blocks_and_each_is_a_seeded_lone_run(prompt_len, run_cost_tokens):
     store = PrefixCachingKVStore(CFG, 64, 4)
     engine = CachingLLMEngine(MODEL, store, max_num_seqs=6)
     params = SamplingParams(temperature=1.0, seed=11)
@@ -143,7 +143,7 @@ def test_n_samples_share_the_prompts_blocks_and_each_is_a_seeded_lone_run(prompt
     store.check_invariants()
 
 
-def test_greedy_samples_are_all_the_lone_greedy_run_also_when_preempted():
+def test_greedy_samples_are_all_the_lone_greedy_run_also_when_preempted(run_cost_tokens):
     store = PrefixCachingKVStore(CFG, 9, 4)  # 36 positions: 3 samples of 22 + 10 tokens cannot all run at once
     engine = CachingLLMEngine(MODEL, store, max_num_seqs=4, max_num_batched_tokens=8)
     r = Request("g", SYSTEM + [1, 2], 10, stop_at_eos=False)

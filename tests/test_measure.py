@@ -118,6 +118,10 @@ def dies(conn, code):
     os._exit(code)
 
 
+def raises(conn):
+    raise ValueError("no such row")
+
+
 def hangs(conn):
     import time
     time.sleep(60)
@@ -130,19 +134,22 @@ def test_in_spawned_process_returns_the_answer_or_names_a_death_or_a_hang():
     from gpt2_core.bench import common as measure
 
     assert measure.in_spawned_process(answers, (21,), "doubler") == 42
-    with pytest.raises(RuntimeError, match=r"^the worker died \(exit code 3\)$"):
+    with pytest.raises(RuntimeError, match=r"^the worker ended without an answer \(exit code 3\)$"):
         measure.in_spawned_process(dies, (3,), "the worker")
+    with pytest.raises(RuntimeError, match=r"^the worker failed: ValueError: no such row$"):
+        measure.in_spawned_process(raises, (), "the worker")
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"^the sleeper gave no answer in 2 s \(killed\)$"):
         measure.in_spawned_process(hangs, (), "the sleeper", timeout_s=2)
     assert time.perf_counter() - t0 < 30  # not the worker's 60 s
-    # the int8_numba row: a failing worker costs its row (a note saying why), not the capstone's run
-    if capstone.quant_kernels.numba_available():
-        def fail(*args, **kwargs):
-            raise RuntimeError("the int8_numba worker died (exit code -9)")
-        real, capstone.in_spawned_process = capstone.in_spawned_process, fail
-        try:
-            assert capstone.numba_row(None, [], None) == (None, None, "int8_numba: the int8_numba worker died "
-                                                                       "(exit code -9)")
-        finally:
-            capstone.in_spawned_process = real
+
+
+def test_a_failing_int8_numba_worker_costs_its_row_not_the_run(monkeypatch):
+    from gpt2_core.bench import capstone
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the int8_numba worker ended without an answer (exit code -9)")
+    monkeypatch.setattr(capstone.quant_kernels, "numba_available", lambda: True)
+    monkeypatch.setattr(capstone, "in_spawned_process", fail)
+    assert capstone.numba_row(None, [], None) == (
+        None, None, "int8_numba: the int8_numba worker ended without an answer (exit code -9)")

@@ -111,31 +111,36 @@ def test_paged_attention_store_gives_chapter_4s_logits(block_size):
         assert max(len(contiguous_runs(store.slots[i][:len(s) - 1])) for i, s in enumerate(tokens)) > 1
 
 
-def test_the_store_reads_in_place_while_the_runs_are_few_and_gathers_when_they_are_many(monkeypatch):
-    read_in_place = []  # (runs, tokens) of every decode attention read in place
-    real = paged_attention.paged_decode_attention
-    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda q, pool, runs, *a: read_in_place.append(
-        (len(runs), sum(end - first for first, end in runs))) or real(q, pool, runs, *a))
+def test_the_store_reads_in_place_exactly_where_the_rule_says_and_gathers_elsewhere(monkeypatch):
+    reads = []  # (runs, tokens, read in place?) of every decode attention
+    in_place = []
+    real_read = paged_attention.paged_decode_attention
+    monkeypatch.setattr(paged_attention, "paged_decode_attention", lambda *a: in_place.append(1) or real_read(*a))
+    real_attend = PagedAttentionKVStore.attend_decode
+
+    def attend(self, seq_id, layer, start, q, k, v):
+        runs, before = len(contiguous_runs(self.slots[seq_id][:start + 1])), len(in_place)
+        out = real_attend(self, seq_id, layer, start, q, k, v)
+        reads.append((runs, start + 1, len(in_place) > before))
+        return out
+
+    monkeypatch.setattr(PagedAttentionKVStore, "attend_decode", attend)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, CFG.vocab_size, size=n).tolist() for n in (6, 2, 5)]
     gathered, tokens = interleaved_steps(PagedKVStore(CFG, num_blocks=64, block_size=2), prompts, 6)
-    decodes = 5 * len(prompts) * CFG.n_layer  # the steps after the prefill x sequences x layers
     for cost in (0, 3, 1000):
-        read_in_place.clear()
+        reads.clear()
         store = PagedAttentionKVStore(CFG, num_blocks=64, block_size=2)
         store.run_cost_tokens = cost
         got, got_tokens = interleaved_steps(store, prompts, 6)
         assert got_tokens == tokens  # the same tokens and logits whichever way each read went
         for a, b in zip(got, gathered):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-        assert all((runs - 1) * cost <= tokens for runs, tokens in read_in_place)  # the rule
-        many = max(runs for runs, _ in read_in_place)
-        if cost == 0:  # always in place, however many runs
-            assert len(read_in_place) == decodes and many > 2
-        elif cost == 3:  # some in place in several runs, the longest ones gathered
-            assert many > 1 and 0 < len(read_in_place) < decodes
-        else:  # only a sequence in one run is read in place
-            assert many == 1 and len(read_in_place) < decodes
+        assert store.written == {i: len(s) - 1 for i, s in enumerate(tokens)}  # each new token written once
+        assert len(reads) == 5 * len(prompts) * CFG.n_layer  # the steps after the prefill x sequences x layers
+        assert all(read == ((runs - 1) * cost <= n) for runs, n, read in reads)  # the rule, both ways
+        several_runs = [read for runs, _, read in reads if runs > 1]
+        assert several_runs and {0: {True}, 3: {True, False}, 1000: {False}}[cost] == set(several_runs)
     assert PagedAttentionKVStore.run_cost_tokens == paged_attention.RUN_COST_TOKENS == 100
 
 
@@ -156,7 +161,8 @@ def requests(n, seed=0):
                     max_new_tokens=int(rng.integers(1, 9)), stop_at_eos=False) for i in range(n)]
 
 
-def test_chapter_3s_engine_over_the_paged_attention_store_gives_the_tokens_of_running_alone_with_preemptions():
+def test_chapter_3s_engine_over_the_paged_attention_store_gives_the_tokens_of_running_alone_with_preemptions(
+        run_cost_tokens):
     store = PagedAttentionKVStore(CFG, num_blocks=5, block_size=4)
     engine = LLMEngine(MODEL, store=store, max_num_seqs=8)
     outputs = engine.generate_many(requests(12))

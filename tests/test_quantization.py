@@ -464,7 +464,7 @@ CFG5 = gpt2_core.GPT2Config(vocab_size=101, n_positions=64, n_embd=24, n_head=3,
 @pytest.mark.parametrize("num_blocks,block_size,budget", [(64, 4, 7), (10, 4, 7), (44, 1, 5)],
                          ids=["all features", "all, preempting", "block size 1, preempting"])
 def test_chapter_5s_engine_with_a_codec_gives_chapter_4s_tokens_in_that_codec(fmt, num_blocks, block_size, budget,
-                                                                              request):
+                                                                              request, run_cost_tokens):
     """Prefix caching, chunked prefill, preemption and n = 2 forks over fp16 or int8 blocks: every sample gets the
     tokens chapter 3's engine gives over chapter 4's store in the same format (gather, decode, attend), sample i
     seeded seed + i; the pool ends free."""

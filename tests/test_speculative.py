@@ -200,7 +200,7 @@ ENGINE_SETTINGS = {  # name -> (num_blocks, block_size, max_num_batched_tokens, 
 
 @pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))
 @pytest.mark.parametrize("drafter", ["ngram", "int8 draft"])
-def test_greedy_engine_gives_the_plain_engines_tokens_and_leaks_no_block(setting, drafter):
+def test_greedy_engine_gives_the_plain_engines_tokens_and_leaks_no_block(setting, drafter, run_cost_tokens):
     num_blocks, bs, budget, seqs = ENGINE_SETTINGS[setting]
     prompts = embedded_prompts()
     max_new = [20 + 7 * (i % 4) for i in range(len(prompts))]

@@ -159,25 +159,44 @@ def interleaved(runs: dict, rounds: int, measure=None) -> dict:
     return readings
 
 
+class WorkerFailed:
+    """What ``in_spawned_process``'s worker sends when its target raised: the exception, as text."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _answer_or_failure(conn, target: Callable, args: tuple) -> None:  # the spawned process's entry point
+    try:
+        target(conn, *args)
+    except Exception as e:  # told to the parent, which raises it with the worker's name
+        conn.send(WorkerFailed(f"{type(e).__name__}: {e}"))
+
+
 def in_spawned_process(target: Callable, args: tuple, what: str, timeout_s: float = 3600.0):
     """``target(conn, *args)`` in a spawned process, which sends one answer on ``conn``: -> that answer. Raises
-    ``RuntimeError`` naming ``what`` if the process ends without answering (with its exit code) or gives no answer
-    in ``timeout_s`` (it is killed)."""
+    ``RuntimeError`` naming ``what`` if the target raised (with its exception), if the process ends without an
+    answer (with its exit code) or gives none in ``timeout_s`` (it is killed)."""
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    worker = ctx.Process(target=target, args=(child, *args), daemon=True)
-    worker.start()
-    child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
+    worker = ctx.Process(target=_answer_or_failure, args=(child, target, args), daemon=True)
     try:
+        worker.start()
+        child.close()  # if the worker dies, recv() raises EOFError instead of waiting forever
         if not conn.poll(timeout_s):
-            worker.kill()
             raise RuntimeError(f"{what} gave no answer in {timeout_s:.0f} s (killed)")
-        return conn.recv()
-    except EOFError:
+        answer = conn.recv()
+    except (EOFError, OSError):  # it ended without an answer, or in the middle of sending one
         worker.join(timeout=10)
-        raise RuntimeError(f"{what} died (exit code {worker.exitcode})") from None
+        raise RuntimeError(f"{what} ended without an answer (exit code {worker.exitcode})") from None
     finally:
+        child.close()
         conn.close()
-        worker.join(timeout=60)
+        if worker.is_alive():
+            worker.join(timeout=5)  # it has answered (or is hung): a few seconds to exit
         if worker.is_alive():
             worker.kill()
+            worker.join(timeout=10)
+    if isinstance(answer, WorkerFailed):
+        raise RuntimeError(f"{what} failed: {answer.message}")
+    return answer

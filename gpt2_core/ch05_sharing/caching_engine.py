@@ -12,7 +12,8 @@ What a step does differently from chapter 3's:
   is copied on the first write). Sample ``i`` samples with seed ``seed + i``, as vLLM seeds its samples, so it
   gives the tokens of a lone request with that seed.
 
-Decode attention reads the blocks in place (``PagedAttentionKVStore``), through chapter 3's ``model_step`` (the
+Decode attention reads the blocks in place, or gathers a sequence whose blocks lie scattered
+(``PagedAttentionKVStore``), through chapter 3's ``model_step`` (the
 ``ragged_forward`` of the model's architecture).
 The step itself is chapter 3's: this engine passes in its scheduler and store and overrides two hooks,
 ``_after_forward`` (register blocks, skip the middle of a prompt, fork) and ``_samples_of`` (a request's forks).

@@ -57,7 +57,8 @@ def paged_decode_attention(q, pool, runs, codec=FP32, scales=None):  # q [H, 1, 
 
 
 # A run of blocks beyond the first costs ``paged_decode_attention`` about what reading in place instead of gathering
-# saves on 100 tokens: 70-116 in the timings of notebook 05's section 1 (``notebooks/results/prefix.json``).
+# saves on 100 tokens: 70-116 in the timings of notebook 05's section 1 (``notebooks/results/prefix.json``: float32
+# K/V, GPT-2 124M's heads, one host). A codec that decodes (chapter 6) is not calibrated: the same value is used.
 RUN_COST_TOKENS = 100
 
 
@@ -65,9 +66,9 @@ class PagedAttentionKVStore(PagedKVStore):
     """Chapter 4's paged store whose decode attention reads the blocks in place (``paged_decode_attention``).
 
     Prefill chunks still go through ``update`` (scatter the chunk, gather the history for the causal attention);
-    a decoding token is scattered into its slot and attended to without a gather, unless its blocks are so scattered
-    that the calls of one run each cost more than the copy they save: with more than 1 + S / ``run_cost_tokens``
-    runs for S tokens, chapter 4's gather reads them (``run_cost_tokens = 0``: always in place).
+    a decoding token is scattered into its slot and attended to without a gather, unless the NumPy calls of its runs
+    beyond the first would cost more than gathering its S tokens: with more than 1 + S / ``run_cost_tokens`` runs,
+    chapter 4's gather reads them (``run_cost_tokens = 0``: always in place).
     """
 
     run_cost_tokens = RUN_COST_TOKENS
