@@ -746,7 +746,6 @@ def llamacpp_rows(model: GPT2Model, requests, threads: int | None) -> tuple[list
     one request at a time, greedy, in a spawned worker (chapter 2's ``kv_cache`` row, run by llama.cpp), offline,
     its latencies placed on the arrivals as ``kv_cache``'s are; its K/V are float16 (llama.cpp's default).
     -> (the rows, a skipped entry for each row that could not be made: why). A failure costs its row only."""
-    why = None
     if not llama_cpp_available():
         why = llamacpp_note()
     elif importlib.util.find_spec("gguf") is None:

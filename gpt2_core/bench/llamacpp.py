@@ -17,7 +17,6 @@ installed, checks its logits against chapter 1's forward.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +51,10 @@ def gpt2_vocabulary(tokenizer_json: str | Path | None = None) -> tuple[list[str]
 
 def gguf_unsupported(config) -> str | None:
     """Why ``write_gpt2_gguf`` cannot write a model of ``config`` for llama.cpp, or None if it can."""
-    if config.vocab_size != len(gpt2_vocabulary()[0]):
-        return (f"llama.cpp needs the vocabulary of the model it runs: GPT-2's tokenizer has 50,257 tokens, the model "
-                f"{config.vocab_size}")
+    num_tokens = len(gpt2_vocabulary()[0])
+    if config.vocab_size != num_tokens:
+        return (f"llama.cpp needs the vocabulary of the model it runs: GPT-2's tokenizer has {num_tokens:,} tokens, "
+                f"the model {config.vocab_size}")
     if config.n_embd % 32:
         return f"q8_0 packs rows in blocks of 32: n_embd={config.n_embd} is not a multiple of 32"
     return None
@@ -170,26 +170,20 @@ def greedy_stream(llm, prompt_ids, max_new_tokens: int):
 
 def serve_worker(conn, path: str, n_ctx: int, requests, threads: int | None) -> None:
     """Serve ``requests`` one at a time with llama.cpp (``replay.serve_one_by_one`` over ``greedy_stream``), in
-    this (spawned) process; send back ("ok", their outputs, the seconds of the whole run, llama-cpp-python's
-    version), the clock started after one untimed warm-up request, or ("error", what was raised, None, None)."""
-    try:
-        import llama_cpp
+    this (spawned) process; send back (their outputs, the seconds of the whole run, llama-cpp-python's version), the
+    clock started after one untimed warm-up request. What it raises, ``in_spawned_process`` reports."""
+    import llama_cpp
 
-        from .replay import serve_one_by_one
+    from .replay import serve_one_by_one
 
-        llm = open_llama_cpp(path, n_ctx, threads=threads)
-        list(greedy_stream(llm, requests[0].prompt_token_ids, min(2, requests[0].max_new_tokens)))  # warm-up
-        outputs, seconds = serve_one_by_one(llm, requests, lambda m, ids, n, stop_at_eos: greedy_stream(m, ids, n))
-        conn.send(("ok", outputs, seconds, llama_cpp.__version__))
-    except Exception as e:  # the main process reports it as the row's note
-        conn.send(("error", f"{type(e).__name__}: {e}", None, None))
+    llm = open_llama_cpp(path, n_ctx, threads=threads)
+    list(greedy_stream(llm, requests[0].prompt_token_ids, min(2, requests[0].max_new_tokens)))  # warm-up
+    outputs, seconds = serve_one_by_one(llm, requests, lambda m, ids, n, stop_at_eos: greedy_stream(m, ids, n))
+    conn.send((outputs, seconds, llama_cpp.__version__))
 
 
 def serve_gguf(path, n_ctx: int, requests, threads: int | None, timeout_s: float = 3600.0):
     """``serve_worker`` in a spawned process -> (outputs, seconds, llama_cpp version); raises ``RuntimeError`` with
-    the worker's message if it failed."""
-    status, served, seconds, version = in_spawned_process(serve_worker, (str(path), n_ctx, list(requests), threads),
-                                                          "llama.cpp worker", timeout_s)
-    if status != "ok":
-        raise RuntimeError(served)
-    return served, seconds, version
+    the worker's exception if it failed (``in_spawned_process``)."""
+    return in_spawned_process(serve_worker, (str(path), n_ctx, list(requests), threads), "llama.cpp worker",
+                              timeout_s)
