@@ -150,7 +150,8 @@ CACHED_FORWARDS["llama"] = cached_logits  # chapter 2's generate and generate_st
 def attend_chunks(store, chunks, spans, layer, q, k, v):  # q [H, N, D]; k, v [H_kv, N, D] -> [H, N, D]
     """Each chunk's queries against its own sequence's K/V in the engine's store (chapter 3's loop). A decoding
     token hands the store its G query heads per K/V head as G rows, [H_kv, G, D]: the store's decode attention
-    (chapter 5's paged one, in place or gathered) reads each cached K/V head once for all G of them, without repeating it."""
+    (chapter 5's paged one, in place or gathered) reads each cached K/V head once for all G of them, without
+    repeating it."""
     H, N, D = q.shape
     H_kv = k.shape[0]
     out = np.empty((H, N, D), dtype=q.dtype)
