@@ -25,6 +25,7 @@ from gpt2_core.loading.config import GPT2Config
 from gpt2_core.ch03_batching.engine import LLMEngine
 from gpt2_core.ch06_quantization.quantization import bytes_per_token
 from gpt2_core.ch03_batching.sequence import Request
+from gpt2_core.ch06_quantization.quant_kernels import numba_available
 
 CONFIG = GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_head=4, n_layer=2)
 
@@ -318,8 +319,8 @@ def check_records(out: dict, expected_tokens: int, head_dim: int = CONFIG.head_d
     """Every row has the issue's fields; each bound is its roofline at the run's limits; compute_bound is the
     workload's cached FLOPs at the GEMM rate."""
     limits = out["limits"]
-    assert limits["gemm_flops_per_s"] == pytest.approx(np.median([r["gemm_flops_per_s"] for r in
-                                                                   out["limits_readings"]]))
+    for k in ("gemm_flops_per_s", "bytes_per_s"):  # the best reading of each: a busy moment only slows one
+        assert limits[k] == max(r[k] for r in out["limits_readings"])
     assert out["duration_s"] > 0
     fields = {"method", "tokens_per_s", "bound_tokens_per_s", "bound_kind", "ttft_p50_s", "itl_p50_s", "itl_p99_s",
               "kv_bytes_peak", "weight_bytes"}
@@ -388,7 +389,11 @@ def check_step_bounds(out: dict) -> None:
     assert set(out["speculative"]) == {"free_text", "copy_task"}
     assert all(0 <= m["alpha"] <= 1 and m["steps_recorded"] > 0 for m in out["speculative"].values())
     anatomy = out["step_anatomy"]["accelerated"]
-    assert anatomy["step_s"] > 0 and anatomy["matmul_s"] > 0
+    assert anatomy["step_s"] > 0 and anatomy["matmul_s"] > 0 and anatomy["step_matmuls_s"] > 0
+    assert anatomy["matmul_ceiling"] == pytest.approx(anatomy["matmul_s"] / anatomy["step_matmuls_s"])
+    store = "SlotAttentionKVStore" if numba_available() else "ContiguousKVStore"  # the appendix's with numba
+    assert anatomy["store"] == by["continuous"]["kv_store"] == store
+    assert out["step_anatomy"]["chapter_code"]["store"] == "ContiguousKVStore"  # the plain model: chapter 3's
 
 
 def test_the_command_replays_a_trace(tmp_path):

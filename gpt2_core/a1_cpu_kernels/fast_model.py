@@ -99,6 +99,12 @@ def array_of(a) -> np.ndarray:
     return a.array if isinstance(a, (FastWeight, TiedEmbedding)) else a
 
 
+def is_accelerated(model: GPT2Model | LlamaModel) -> bool:
+    """Does ``model`` run the appendix's kernels (``accelerate``), i.e. hold its head as a ``TiedEmbedding``?"""
+    params = model.params
+    return any(isinstance(params.get(name), TiedEmbedding) for name in ("wte", "token_embd", "output"))
+
+
 def default_kernels() -> dict:
     """The ``FastWeight`` settings ``accelerate(model)`` gives by default on this machine: tiles where this BLAS has
     the small-matrix kernel they need (``small_kernel_here()``), one GEMV per row up to ``GEMV_MAX_ROWS`` rows."""

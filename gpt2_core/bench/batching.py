@@ -197,10 +197,11 @@ def gemm_bound_tokens_per_s(model: GPT2Model, batch: int, repeats: int = 5) -> d
             "lm_head_share": head / seconds}
 
 
-def decode_step_runner(model: GPT2Model, batch: int, context: int):
+def decode_step_runner(model: GPT2Model, batch: int, context: int, store_cls: type = ContiguousKVStore):
     """A function running one ragged step of ``batch`` decode chunks, each with ``context`` tokens cached (the cache
-    holds arbitrary numbers: timing does not depend on them), on ``model``'s kernels."""
-    store = ContiguousKVStore(model.config, num_slots=batch, max_len=context + 1)
+    holds arbitrary numbers: timing does not depend on them), on ``model``'s kernels, in a ``store_cls`` (chapter
+    3's contiguous store or one like it)."""
+    store = store_cls(model.config, num_slots=batch, max_len=context + 1)
     for i in range(batch):
         store.allocate(i, context + 1)
     store.k[:] = 0.01

@@ -24,11 +24,12 @@ first token and inter-token latency with the workload's arrivals (as its serving
 one-at-a-time servers (naive, kv_cache) serve each request in the same time whenever it arrives, so their
 latencies come from the offline run placed on the arrivals (first come, first served): no second run.
 
-Each row's limit, measured in the same run (``limits``): the FLOPs of the forward passes that engine performs
-(``forward_flops``: naive recomputes, static computes its padding, the others compute each position once) at the
-GEMM rate, and the bytes it reads (its weights once per model step, the K/V each decoding query reads) at the
-memory bandwidth: ``bound_tokens_per_s`` = output tokens / max(FLOP time, byte time), ``bound_kind`` the larger.
-``compute_bound``: the workload's FLOPs for an engine that computes each position once, at the GEMM rate.
+Each row's limit, measured in the same run (``limits``: the best of the readings taken during it): the FLOPs of the
+forward passes that engine performs (``forward_flops``: naive recomputes, static computes its padding, the others
+compute each position once) at the GEMM rate, and the bytes it reads (its weights once per model step, the K/V each
+decoding query reads) at the memory bandwidth: ``bound_tokens_per_s`` = output tokens / max(FLOP time, byte time),
+``bound_kind`` the larger. ``compute_bound``: the workload's FLOPs for an engine that computes each position once,
+at the GEMM rate.
 
 That GEMM rate is measured at 256 rows; a decode step of 32 sequences multiplies 32 rows, where a matrix library
 does fewer FLOPs per second. So each engine row also gets a **per-step bound** (``step_bound_tokens_per_s``): every
@@ -36,7 +37,13 @@ step the engine ran (recorded by ``StepRecorder``) priced at the rate measured i
 rows (``gemm_rates``: the model's own matrices at 1, 2, 4, ... 2048 rows, interpolated), or at its bytes if those
 take longer (``roofline.per_step_bound``); with ``step_time``, the model's measured time beside that bound by the
 steps' rows, and the time outside the model. ``step_anatomy`` splits one 32-row decode step into its matmuls,
-attention and the rest.
+attention and the rest, and times the step's matmuls alone in its own order (each weight once, from memory, as a
+step meets them): the most of the per-step bound these kernels could reach if attention and everything else cost
+nothing (``matmul_ceiling``).
+
+The accelerated ``continuous`` engine keeps its K/V in the appendix's ``SlotAttentionKVStore`` (chapter 3's
+contiguous store whose decoding tokens attend in one numba kernel call per layer; chapter 3's own store without
+numba): the row's ``decode_attention`` says which.
 
 More rows:
 
@@ -72,7 +79,10 @@ from ..ch02_kv_cache import kv_cache
 from ..ch06_quantization import quant_kernels
 from ..ch05_sharing.caching_engine import CachingLLMEngine
 from ..loading.config import GPT2Config, preset
-from ..a1_cpu_kernels import accelerate, array_of
+from ..a1_cpu_kernels import accelerate, array_of, is_accelerated
+from ..a1_cpu_kernels.attention import SlotAttentionKVStore
+from ..ch03_batching.kv_store import ContiguousKVStore
+from ..ch06_quantization.quant_kernels import numba_available
 from ..ch03_batching.engine import LLMEngine, RequestOutput
 from ..ch02_kv_cache.kv_cache import kv_cache_bytes
 from ..ch04_paged.paged_kv_store import FP32, PagedKVStore
@@ -178,13 +188,20 @@ def kv_blocks(requests: list[Request], extra_tokens: int = 0, seqs: int = MAX_BA
     return seqs * blocks_needed(longest, BLOCK_SIZE)
 
 
+def decode_store(model: GPT2Model) -> type[ContiguousKVStore]:
+    """The contiguous store for ``model``: the appendix's ``SlotAttentionKVStore`` (a step's decode attention in one
+    numba kernel a layer) when the model runs the appendix's kernels and numba is installed, else chapter 3's."""
+    return SlotAttentionKVStore if is_accelerated(model) and numba_available() else ContiguousKVStore
+
+
 def make_engine(model: GPT2Model, method: str, requests: list[Request], max_num_seqs: int = MAX_BATCH):
     """The engine of ``method`` with KV room for ``max_num_seqs`` of the longest request (nothing preempted)."""
     longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
     blocks = kv_blocks(requests, seqs=max_num_seqs)
-    if method == "continuous":
-        return LLMEngine(model, max_num_seqs=max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                         max_len=min(longest, model.config.n_positions))
+    if method == "continuous":  # on an accelerated model, in the appendix's store (one attention kernel a layer)
+        max_len = min(longest, model.config.n_positions)
+        store = decode_store(model)(model.config, num_slots=max_num_seqs, max_len=max_len)
+        return LLMEngine(model, store=store, max_num_seqs=max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     if method in ("prefix_cached", "int8_kv"):
         codec = Int8Codec() if method == "int8_kv" else FP32
         return CachingLLMEngine(model, PrefixCachingKVStore(model.config, blocks, BLOCK_SIZE, codec),
@@ -262,8 +279,10 @@ def measure_limits(model: GPT2Model, rows: int = GEMM_ROWS) -> dict:
     return {"gemm_flops_per_s": gemm["gemm_flops_per_s"], "bytes_per_s": gemv_bandwidth(repeats=5)}
 
 
-def median_limits(readings: list[dict]) -> dict:
-    return {k: float(np.median([r[k] for r in readings])) for k in readings[0]}
+def best_limits(readings: list[dict]) -> dict:
+    """The most the machine was seen to do in any reading, for each limit: a bound is what the machine can do, and
+    a busy moment only ever slows a reading down."""
+    return {k: float(np.max([r[k] for r in readings])) for k in readings[0]}
 
 
 def gemm_rates(model: GPT2Model, rows=RATE_ROWS, repeats: int = 5) -> dict:
@@ -288,15 +307,16 @@ def gemm_rates(model: GPT2Model, rows=RATE_ROWS, repeats: int = 5) -> dict:
     return out
 
 
-def median_rates(readings: list[dict]) -> dict:
-    """The median over readings of each rate of ``gemm_rates`` (the same row counts in each)."""
-    return {k: readings[0][k] if k.endswith("rows") else [float(np.median(v)) for v in zip(*(r[k] for r in readings))]
+def best_rates(readings: list[dict]) -> dict:
+    """The highest over readings of each rate of ``gemm_rates`` (the same row counts in each), as ``best_limits``."""
+    return {k: readings[0][k] if k.endswith("rows") else [float(np.max(v)) for v in zip(*(r[k] for r in readings))]
             for k in readings[0]}
 
 
 class MachineReadings:
     """The machine's limits (``measure_limits``) and the GEMM rate curves of both kernels (``gemm_rates``: the
-    appendix's on ``fast``, the chapter code's on ``plain``), read a few times during the run; medians at the end."""
+    appendix's on ``fast``, the chapter code's on ``plain``), read a few times during the run; the best of each at
+    the end (``best_limits``, ``best_rates``)."""
 
     def __init__(self, fast: GPT2Model, plain: GPT2Model | None, rows):
         self.fast, self.plain, self.rows = fast, plain, rows
@@ -308,9 +328,9 @@ class MachineReadings:
         if self.plain is not None:
             self.plain_rates.append(gemm_rates(self.plain, self.rows))
 
-    def medians(self) -> tuple[dict, dict, dict | None]:
-        plain = median_rates(self.plain_rates) if self.plain_rates else None
-        return median_limits(self.limits), median_rates(self.fast_rates), plain
+    def best(self) -> tuple[dict, dict, dict | None]:
+        plain = best_rates(self.plain_rates) if self.plain_rates else None
+        return best_limits(self.limits), best_rates(self.fast_rates), plain
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -871,7 +891,8 @@ def fp32_rows(model: GPT2Model, base: GPT2Model, requests, quick: bool, kernels:
     rows.append(row)
     progress.advance(10 * share, "static batches")
     for method, units in (("static", 10), ("continuous", 3), ("paged", 3), ("prefix_cached", 4)):
-        row, outputs[method] = batched_row(model, method, requests, weights=base, arrivals=arrivals)
+        store = {"kv_store": decode_store(model).__name__} if method == "continuous" else {}  # which attention
+        row, outputs[method] = batched_row(model, method, requests, weights=base, arrivals=arrivals, **store)
         rows.append(row)
         progress.advance(units * share, f"the batched engines: {method} done")
     row, outputs["int8_kv"] = int8_kv_row(model, requests, base, arrivals=arrivals)
@@ -902,19 +923,40 @@ def spec_rows(model: GPT2Model, base: GPT2Model, requests, rows: list[dict], out
                  for w, m in measured.items()}
 
 
+def step_matmuls(model: GPT2Model, rows: int):
+    """A function making a step's products on ``rows`` rows, as ``ragged_forward`` makes them: every block's four,
+    layer by layer, then the LM head; each weight read once, so from memory, not from a cache warm from the last
+    call as ``gemm_rates`` times them."""
+    rng = np.random.default_rng(0)
+    x, h = (rng.standard_normal((rows, n), dtype=np.float32) for n in (model.config.n_embd, 4 * model.config.n_embd))
+
+    def run():
+        for p in model.params["h"]:
+            x @ p["attn"]["c_attn"]["weight"], x @ p["attn"]["c_proj"]["weight"]
+            x @ p["mlp"]["c_fc"]["weight"], h @ p["mlp"]["c_proj"]["weight"]
+        return x @ model.params["wte"].T
+    return run
+
+
 def step_anatomy(model: GPT2Model, rates: dict, requests, batch: int = MAX_BATCH, repeats: int = 5) -> dict:
     """Where a decode step's time goes beyond its matmuls, measured now: one ragged decode step of ``batch``
-    sequences (chapter 3's step over its contiguous store) with the workload's mean context cached, the same with
-    1 token cached (attention all but gone), and its matmuls alone at the rates measured for ``batch`` rows
-    (``step_seconds``, bytes not counted). attention_s and rest_s (layer norms, GELU, residuals, the step's Python,
-    the matmuls slower inside a step than alone) are the differences."""
+    sequences (chapter 3's step over the store ``continuous`` runs in: ``decode_store``) with the workload's mean
+    context cached, the same with 1 token cached (attention all but gone), and its matmuls at the rates measured
+    for ``batch`` rows (``step_seconds``, bytes not counted: what the per-step bound prices). attention_s and rest_s
+    (layer norms, GELU, residuals, the step's Python, the matmuls slower inside a step than alone) are the
+    differences. ``step_matmuls_s``: the same products alone in the step's order, each weight from memory;
+    ``matmul_ceiling`` = matmul_s / step_matmuls_s, the most of its per-step bound a step of these kernels reaches
+    with attention and everything else at zero."""
     context = int(np.mean([len(r.prompt_token_ids) + r.max_new_tokens / 2 for r in requests]))
     context = max(2, min(context, model.config.n_positions - 1))
-    full = median_time(decode_step_runner(model, batch, context), repeats=repeats)
-    short = median_time(decode_step_runner(model, batch, 1), repeats=repeats)
+    store = decode_store(model)
+    full = median_time(decode_step_runner(model, batch, context, store), repeats=repeats)
+    short = median_time(decode_step_runner(model, batch, 1, store), repeats=repeats)
+    alone = median_time(step_matmuls(model, batch), repeats=repeats)
     matmuls, _ = step_seconds(model.config, [(1, 1, 1)] * batch, 0, rates, float("inf"))
-    return {"batch": batch, "context": context, "step_s": full, "short_context_step_s": short,
-            "matmul_s": matmuls, "attention_s": full - short, "rest_s": short - matmuls}
+    return {"batch": batch, "context": context, "store": store.__name__, "step_s": full,
+            "short_context_step_s": short, "matmul_s": matmuls, "attention_s": full - short,
+            "rest_s": short - matmuls, "step_matmuls_s": alone, "matmul_ceiling": matmuls / alone}
 
 
 def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Config | None = None,
@@ -939,7 +981,7 @@ def bench_capstone(quick: bool = QUICK, trace: str | None = None, config: GPT2Co
     machine = MachineReadings(model, base if include_chapter_code else None, QUICK_RATE_ROWS if quick else RATE_ROWS)
     machine.read()
     out = measure_rows(model, base, requests, quick, machine, sweep_points, parts)
-    limits, fast_rates, plain_rates = machine.medians()
+    limits, fast_rates, plain_rates = machine.best()
     out["rows"] = [with_bound(r, limits, fast_rates, config) for r in out["rows"]]
     out["rows"].append(compute_bound_row(config, requests, limits))
     out["chapter"] = [with_bound(r, limits, plain_rates, config) for r in out["chapter"]]

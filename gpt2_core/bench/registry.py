@@ -136,7 +136,7 @@ def _print_capstone(out: dict) -> None:
     w = sys.stdout.write
     lim = out["limits"]
     w(f"  workload: {out['workload']['name']}; GEMM {lim['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s, bandwidth "
-      f"{lim['bytes_per_s'] / 1e9:.1f} GB/s (medians of {len(out['limits_readings'])} readings); run "
+      f"{lim['bytes_per_s'] / 1e9:.1f} GB/s (the best of {len(out['limits_readings'])} readings); run "
       f"{out['duration_s']:.0f} s\n")
     naive = next(r["tokens_per_s"] for r in out["results"] if r["method"] == "naive")
     w(f"  {'method':16s} {'tok/s':>9s} {'x naive':>8s} {'bound':>9s} {'kind':>6s} {'TTFT p50':>9s} {'ITL p50':>8s}\n")

@@ -72,6 +72,16 @@ class KVStore(ABC):
         read its memory where it lies instead (chapter 5's paged attention)."""
         return decode_attention(q, *self.update(seq_id, layer, start, k, v))
 
+    def attend_decodes(self, seq_ids: list, layer: int, starts: list[int], q: np.ndarray, k: np.ndarray,
+                       v: np.ndarray) -> np.ndarray:
+        """Every decoding token of a step in one call: column ``i`` of ``q, k, v`` [H, B, D] belongs to sequence
+        ``seq_ids[i]`` at position ``starts[i]``; -> [H, B, D]. Here one ``attend_decode`` per sequence; a store
+        may attend them all in one pass (the appendix's ``SlotAttentionKVStore``: one kernel call per layer)."""
+        out = np.empty_like(q)  # [H, B, D]
+        for i, (seq_id, start) in enumerate(zip(seq_ids, starts)):
+            out[:, i:i + 1] = self.attend_decode(seq_id, layer, start, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1])
+        return out
+
     @abstractmethod
     def free(self, seq_id) -> None:
         """Release everything ``seq_id`` holds. Freeing an unknown sequence is an error."""

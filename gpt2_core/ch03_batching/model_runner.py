@@ -75,17 +75,20 @@ def ragged_transformer(blocks: list, x: np.ndarray, chunks: list[Chunk], store: 
     """Every block over the ragged batch ``x`` [N, E]: the weight matmuls on all rows at once, attention per
     chunk against its own sequence's K/V in ``store``. Returns [N, E] (``x`` is updated in place)."""
     spans = ragged_layout(chunks).spans  # each chunk's rows a .. b-1
+    decode = [i for i, (a, b) in enumerate(spans) if b - a == 1]  # chunks of one new token: decoding sequences
+    rows = np.array([spans[i][0] for i in decode], dtype=np.int64)  # [B] their rows
+    seq_ids, starts = [chunks[i].seq_id for i in decode], [chunks[i].start for i in decode]
     for layer, p in enumerate(blocks):
         qkv = linear(layer_norm(x, **p["ln_1"], eps=eps), **p["attn"]["c_attn"])  # [N, 3E]: all rows at once
         q, k, v = split_qkv(qkv, n_head)  # 3 x [H, N, D] views, no copy
         H, N, D = q.shape
-        q_scaled = q * np.float32(1 / np.sqrt(D))  # [H, N, D] for the decode rows, scaled once for all of them
         out = np.empty((N, H, D), dtype=x.dtype)  # [N, H, D]
-        for chunk, (a, b) in zip(chunks, spans):  # attention: each sequence against its own cache
-            if b - a == 1:  # decode: one query sees every cached key, no mask needed; the store reads them
-                out[a] = store.attend_decode(chunk.seq_id, layer, chunk.start, q_scaled[:, a:b], k[:, a:b],
-                                             v[:, a:b])[:, 0]  # [H, D]
-            else:  # prefill: chapter 1's causal attention over everything cached
+        if decode:  # each query sees every cached key, no mask needed: the store attends them all in one call
+            q_decode = q[:, rows] * np.float32(1 / np.sqrt(D))  # [H, B, D], scaled once for all of them
+            attended = store.attend_decodes(seq_ids, layer, starts, q_decode, k[:, rows], v[:, rows])  # [H, B, D]
+            out[rows] = attended.transpose(1, 0, 2)  # [B, H, D]
+        for chunk, (a, b) in zip(chunks, spans):  # prefill: chapter 1's causal attention over everything cached
+            if b - a != 1:
                 k_all, v_all = store.update(chunk.seq_id, layer, chunk.start, k[:, a:b], v[:, a:b])  # [H, start+T, D]
                 out[a:b] = attention(q[:, a:b], k_all, v_all).transpose(1, 0, 2)  # [T, H, D]
         x += linear(out.reshape(N, H * D), **p["attn"]["c_proj"])  # [N, E] residual

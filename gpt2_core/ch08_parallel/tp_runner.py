@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ch01_forward.model import lm_head
+from ..ch03_batching.kv_store import KVStore
 from ..ch03_batching.model_runner import Chunk, embed_chunks, ragged_transformer
 from ..ch04_paged.paged_kv_store import PagedKVStore, slot_indices
 from ..ch05_sharing.paged_attention import contiguous_runs, paged_decode_attention
@@ -50,8 +51,9 @@ def all_reducing(p: dict, all_reduce) -> dict:
 
 
 class HeadsOfPool:
-    """A worker's heads of the engine's paged pool (a view of shared memory), with the two calls chapter 3's
-    ``ragged_transformer`` makes: ``update`` (prefill chunks) and ``attend_decode`` (paged attention in place).
+    """A worker's heads of the engine's paged pool (a view of shared memory), with the calls chapter 3's
+    ``ragged_transformer`` makes: ``update`` (prefill chunks) and ``attend_decodes`` (decoding tokens, each by
+    ``attend_decode``: paged attention in place).
     The slots of each sequence come from the block tables the driver sends with every step."""
 
     def __init__(self, pool: np.ndarray, block_size: int):  # pool [L, slots, 2, H/w, D]
@@ -77,6 +79,8 @@ class HeadsOfPool:
         if seq_id not in self.runs:
             self.runs[seq_id] = contiguous_runs(slots)
         return paged_decode_attention(q, pool, self.runs[seq_id])
+
+    attend_decodes = KVStore.attend_decodes  # a step's decoding tokens: one attend_decode each, as chapter 3's store
 
 
 class RaggedWorker:
