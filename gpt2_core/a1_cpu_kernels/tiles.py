@@ -26,7 +26,11 @@ import numpy as np
 TILE = 32  # columns per tile: a [768, 32] float32 tile is 96 KB
 SMALL_GEMM_MNK = 100 ** 3  # OpenBLAS runs a product of m x n x k <= 100**3 with its small-matrix kernel
 TILED_MAX_ROWS = 64
-TWO_THREADS_FROM_ROWS = 9  # from this many rows the tiles are shared between two threads
+# From this many rows the tiles are shared between two threads: every tiled product. A step reads each weight from
+# memory, and one core streams it slower than two: decode steps of 2-8 rows in real steps took 1.45-1.50x as long
+# with one thread as with two (2-core Intel Xeon, tiles on, 2026-12-07; an earlier 9 was chosen on weights warm in
+# the cache, where one thread's small products keep up).
+TWO_THREADS_FROM_ROWS = 2
 
 
 SMALL_KERNEL_ARCHITECTURES = ("SkylakeX", "Cooperlake", "SapphireRapids")  # OpenBLAS's AVX-512 kernel families
