@@ -62,12 +62,12 @@ def commit() -> str:
 
 
 def machine_limits(readings: int = 3) -> dict:
-    """The bandwidth and GEMM rate of this machine now (medians of ``readings``), as the capstone measures them."""
+    """The bandwidth and GEMM rate of this machine now (the best of ``readings``), as the capstone measures them."""
     from gpt2_core import random_model
-    from gpt2_core.bench.capstone import measure_limits, median_limits
+    from gpt2_core.bench.capstone import best_limits, measure_limits
 
     model = random_model("gpt2", seed=0)
-    return median_limits([measure_limits(model) for _ in range(readings)])
+    return best_limits([measure_limits(model) for _ in range(readings)])
 
 
 def execute(path: Path, load: float, limits: dict) -> dict:
