@@ -129,3 +129,10 @@ def test_an_engine_on_the_slot_store_gives_chapter_3s_tokens():
 def test_is_accelerated_tells_an_accelerated_model():
     model = tiny_model(config=CONFIG)
     assert not is_accelerated(model) and is_accelerated(accelerate(model))
+
+
+@needs_numba
+def test_making_the_store_compiles_the_kernel_so_no_step_pays_for_it(monkeypatch):
+    monkeypatch.setattr(A, "_kernel", None)
+    A.SlotAttentionKVStore(CONFIG, 2, 8)
+    assert A._kernel is not None and A._kernel.signatures  # compiled for its one signature, before any step

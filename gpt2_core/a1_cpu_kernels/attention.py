@@ -29,13 +29,20 @@ from .tiles import worker
 _kernel = None  # compiled on first use: importing this module does not import numba
 
 
+# The kernel's argument types, given so that numba compiles it at once (a store compiles it when it is made, not
+# in the middle of its first step): the two caches [slots, L, H, max_len, D], the layer, slots and starts [B],
+# q, k, v and out [H, B, D], the first and last (sequence, head) pair.
+SIGNATURE = ("void(float32[:, :, :, :, ::1], float32[:, :, :, :, ::1], int64, int64[::1], int64[::1], "
+             "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, int64)")
+
+
 def slot_attention_kernel():
-    """The numba kernel (compiled on first call; numba must be installed)."""
+    """The numba kernel (compiled on the first call, a few seconds once per process; numba must be installed)."""
     global _kernel
     if _kernel is None:
         from numba import njit
 
-        @njit(nogil=True, fastmath=True, cache=False)
+        @njit(SIGNATURE, nogil=True, fastmath=True, cache=False)
         def attend_slots(k_cache, v_cache, layer, slots, starts, q, k, v, out, first, last):
             # k_cache, v_cache [slots, L, H, max_len, D]; q, k, v, out [H, B, D]; slots, starts [B]
             H, B, D = q.shape
@@ -70,7 +77,13 @@ def slot_attention_kernel():
 
 class SlotAttentionKVStore(ContiguousKVStore):
     """Chapter 3's contiguous store whose ``attend_decodes`` is one numba kernel call per layer (float32 K/V, numba
-    installed; otherwise chapter 3's loop). Everything else is chapter 3's."""
+    installed; otherwise chapter 3's loop). Everything else is chapter 3's. The kernel is compiled when the first
+    such store is made, so that no step pays for it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if numba_available() and self.dtype == np.float32:
+            slot_attention_kernel()
 
     def attend_decodes(self, seq_ids, layer: int, starts, q, k, v):  # q, k, v [H, B, D] -> [H, B, D]
         starts = np.asarray(starts, dtype=np.int64)
