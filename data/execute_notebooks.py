@@ -11,7 +11,7 @@ when the machine is busy (1-minute load at or above ``--max-load``, 0.5 by defau
   ``commit`` (the checkout's HEAD, ``+dirty`` when the code had changes: notebooks and stored results written by these
   scripts don't count), ``duration_s``;
 * ``bytes_per_s`` and ``gemm_flops_per_s``: the machine's two limits measured just before (chapter 2's GEMV
-  bandwidth on the LM head's shape and chapter 3's GEMM rate on GPT-2 124M's matrices at 256 rows, medians of 3
+  bandwidth on the LM head's shape and chapter 3's GEMM rate on GPT-2 124M's matrices at 256 rows, the best of 3
   readings). The load alone does not show a slow host: the same machine streamed 20.7 GB/s one hour and 42.9 GB/s
   the day before, both at load near 0. Compare them with the earlier executions' before committing.
 

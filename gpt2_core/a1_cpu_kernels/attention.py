@@ -77,13 +77,12 @@ def slot_attention_kernel():
 
 class SlotAttentionKVStore(ContiguousKVStore):
     """Chapter 3's contiguous store whose ``attend_decodes`` is one numba kernel call per layer (float32 K/V, numba
-    installed; otherwise chapter 3's loop). Everything else is chapter 3's. The kernel is compiled when the first
-    such store is made, so that no step pays for it."""
+    installed; otherwise chapter 3's loop). Everything else is chapter 3's."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if numba_available() and self.dtype == np.float32:
-            slot_attention_kernel()
+            slot_attention_kernel()  # compiled now, when the store is made, so that no step pays for it
 
     def attend_decodes(self, seq_ids, layer: int, starts, q, k, v):  # q, k, v [H, B, D] -> [H, B, D]
         starts = np.asarray(starts, dtype=np.int64)
