@@ -60,7 +60,7 @@ More rows:
   two worker processes of 1 BLAS thread (``TensorParallelRunner``), offline.
 
 Timings use random weights of GPT-2 124M's shape (the time of a matmul does not depend on the numbers in it);
-``--quick``: 2 of its 12 layers, 8 short requests, a short sweep.
+``--quick``: 2 of its 12 layers, 6 short requests, a short sweep.
 """
 
 from __future__ import annotations
