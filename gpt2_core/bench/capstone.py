@@ -43,7 +43,7 @@ nothing (``matmul_ceiling``).
 
 The accelerated ``continuous`` engine keeps its K/V in the appendix's ``SlotAttentionKVStore`` (chapter 3's
 contiguous store whose decoding tokens attend in one numba kernel call per layer; chapter 3's own store without
-numba): the row's ``decode_attention`` says which.
+numba): the row's ``kv_store`` says which.
 
 More rows:
 
@@ -105,7 +105,7 @@ from . import progress
 from .batching import decode_step_runner, gemm_bound_tokens_per_s, replay_hf, warm_up
 from .common import (GRADING, LLAMA_CPP_INSTALL, QUICK, blas_thread_count, blas_threads, in_spawned_process,
                      llama_cpp_available, median_time)
-from .kv_cache import gemv_bandwidth
+from .kv_cache import gemv_bandwidth, step_matrices
 from .llamacpp import GGUF_TYPES, GGUFWeights, gguf_unsupported, serve_gguf, write_gpt2_gguf
 from .paged import fresh
 from .replay import replay, replay_static, serve_one_by_one
@@ -924,17 +924,15 @@ def spec_rows(model: GPT2Model, base: GPT2Model, requests, rows: list[dict], out
 
 
 def step_matmuls(model: GPT2Model, rows: int):
-    """A function making a step's products on ``rows`` rows, as ``ragged_forward`` makes them: every block's four,
-    layer by layer, then the LM head; each weight read once, so from memory, not from a cache warm from the last
-    call as ``gemm_rates`` times them."""
-    rng = np.random.default_rng(0)
-    x, h = (rng.standard_normal((rows, n), dtype=np.float32) for n in (model.config.n_embd, 4 * model.config.n_embd))
+    """A function making a step's products on ``rows`` rows with the model's kernels, in the step's order
+    (``step_matrices``); each weight read once, so from memory, not from a cache warm from the last call as
+    ``gemm_rates`` times them."""
+    weights, rng = step_matrices(model), np.random.default_rng(0)
+    inputs = {n: rng.standard_normal((rows, n), dtype=np.float32) for n in {w.shape[0] for w in weights}}
 
     def run():
-        for p in model.params["h"]:
-            x @ p["attn"]["c_attn"]["weight"], x @ p["attn"]["c_proj"]["weight"]
-            x @ p["mlp"]["c_fc"]["weight"], h @ p["mlp"]["c_proj"]["weight"]
-        return x @ model.params["wte"].T
+        for w in weights:
+            inputs[w.shape[0]] @ w
     return run
 
 

@@ -110,13 +110,18 @@ def decode_step_times(model: GPT2Model, prompt_len: int, new_tokens: int, betwee
     return times
 
 
-def step_weights(model: GPT2Model) -> list[np.ndarray]:
-    """Every weight matrix one step multiplies, in order and in the memory layout the step reads: each block's
-    ``c_attn`` [E, 3E], ``attn.c_proj`` [E, E], ``c_fc`` [E, 4E], ``mlp.c_proj`` [4E, E], then the head [E, V]
-    (``wte.T``, the accelerated model's own contiguous copy). A matrix's input is [rows, its first dimension]."""
+def step_matrices(model: GPT2Model) -> list:
+    """Every weight one step multiplies, in order, as the model holds it (a ``FastWeight`` multiplies with the
+    appendix's kernels): each block's ``c_attn`` [E, 3E], ``attn.c_proj`` [E, E], ``c_fc`` [E, 4E], ``mlp.c_proj``
+    [4E, E], then the head [E, V] (``wte.T``, the accelerated model's own contiguous copy). A matrix's input is
+    [rows, its first dimension]."""
     names = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
-    weights = [b[module][name]["weight"] for b in model.params["h"] for module, name in names]
-    return [array_of(w) for w in weights + [model.params["wte"].T]]
+    return [b[module][name]["weight"] for b in model.params["h"] for module, name in names] + [model.params["wte"].T]
+
+
+def step_weights(model: GPT2Model) -> list[np.ndarray]:
+    """``step_matrices`` as arrays, in the memory layout the step reads."""
+    return [array_of(w) for w in step_matrices(model)]
 
 
 def decode_gemvs(model: GPT2Model) -> list[tuple[np.ndarray, np.ndarray]]:
