@@ -4,6 +4,7 @@ runs made with ``data/run_benchmarks.py`` also record how (``recorded``: command
 GEMM rate measured just before)."""
 
 import json
+import re
 from functools import cache
 
 import pytest
@@ -35,3 +36,46 @@ def test_a_stored_result_is_a_quiet_full_size_run(path):
 def test_a_stored_result_is_plotted_or_quoted_by_a_notebook(path):
     """One file per benchmark that a chapter shows; lab history stays in git."""
     assert f"results/{path.name}" in notebooks_text(), f"{path.name} is shown by no notebook"
+
+
+def stored_runs_table() -> dict[str, list[str]]:
+    """``data/benchmarks/README.md``'s table of the stored runs, by file: its cells after the file's."""
+    text = (ROOT / "data" / "benchmarks" / "README.md").read_text()
+    table = text.split("<!-- stored-runs -->\n", 1)[1].split("\n\n", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    return {row[0].strip("`"): row[1:] for row in rows}
+
+
+def host_of(machine: dict) -> str:
+    """How the table names a run's host: the CPU's name without trademarks, and OpenBLAS's kernel family."""
+    cpu = re.sub(r"\((R|TM)\)| Processor| CPU.*", "", machine.get("cpu") or "").strip() or "not recorded"
+    return f"{cpu} ({(machine.get('blas') or [{}])[0].get('architecture')})"
+
+
+def minutes(seconds: float) -> str:
+    whole = round(seconds)
+    return f"{whole // 60} min {whole % 60} s"
+
+
+@pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
+def test_the_benchmarks_readme_table_is_the_stored_runs_own_record(path):
+    """The table a reader meets in data/benchmarks/README.md says when, where and how quietly each stored run was
+    made as the file itself records it: remaking a file without its row fails here."""
+    table = stored_runs_table()
+    assert path.name in table, f"data/benchmarks/README.md: no row for {path.name}"
+    made, host, load, run_time, readers = table[path.name]
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb") if f"results/{path.name}" in p.read_text())
+    assert readers == ", ".join(f"`{n}`" for n in notebooks), f"{path.name}: read by {readers!r}, not {notebooks}"
+    result = json.loads(path.read_text())
+    recorded = result.get("recorded")
+    assert host == host_of(result.get("machine", {})), f"{path.name}: host {host!r}"
+    if recorded is None:  # made before runs were recorded: the machine record's load
+        assert load == f"{result['machine']['load_average_1min']:.2f}", f"{path.name}: load {load!r}"
+        return
+    assert made == f"{recorded['executed'][:10]} (`{recorded['commit'][:7]}`)", f"{path.name}: made {made!r}"
+    assert load == f"{recorded['load_1min_start']:.2f}", f"{path.name}: load {load!r}"
+    assert run_time == minutes(recorded["duration_s"]), f"{path.name}: run time {run_time!r}"
+
+
+def test_the_benchmarks_readme_table_names_only_stored_runs():
+    assert sorted(stored_runs_table()) == [p.name for p in RESULTS]
