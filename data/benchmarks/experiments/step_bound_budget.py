@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("out", nargs="?")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    t_start, load = time.perf_counter(), os.getloadavg()[0]
+    t_start, load, machine_at_start = time.perf_counter(), os.getloadavg()[0], machine_info()
     base = random_model("gpt2", seed=0)
     model = accelerate(base)
     warm_up(model)
@@ -133,7 +133,7 @@ def main() -> None:
     git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
     commit = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    out = {"machine": machine_info(), "load_1min_start": load, "rounds": args.rounds,
+    out = {"machine": machine_at_start, "load_1min_start": load, "rounds": args.rounds,
            "command": " ".join(["python"] + sys.argv), "commit": commit + ("+dirty" if dirty.stdout.strip() else ""),
            "limits": limits, "limits_readings": machine.limits, "gemm_rates_by_rows": rates,
            "step_matmuls_readings_s": matmuls, "workloads": {}}
