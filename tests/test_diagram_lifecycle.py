@@ -1,8 +1,6 @@
 """The pictures drawn by code: the roadmap and the request lifecycle render, name what they should, and use no text
 smaller than ``gpt2_core.diagrams.MIN_FONT`` points."""
 
-import json
-
 import matplotlib
 
 matplotlib.use("Agg")
@@ -13,9 +11,6 @@ import pytest  # noqa: E402
 from gpt2_core.ch03_batching.sequence import SequenceStatus  # noqa: E402
 from gpt2_core.diagrams import MIN_FONT, roadmap  # noqa: E402
 from gpt2_core.diagrams.lifecycle import lifecycle  # noqa: E402
-from helpers import ROOT  # noqa: E402
-
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9A]*.ipynb"))
 
 
 def texts(ax) -> list:
@@ -45,17 +40,6 @@ def test_roadmap_marks_the_chapter_and_uses_no_small_text(chapter):
             b = t.get_window_extent()
             assert any(r.x0 <= b.x0 and b.x1 <= r.x1 for r in boxes), t.get_text()
     plt.close(ax.figure)
-
-
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_every_chapter_opens_with_its_roadmap(notebook):
-    """The first code cell of every chapter notebook and of the appendix draws the roadmap at its own chapter, as
-    ``gpt2_core.diagrams`` promises (a markdown "you are here" line is not the picture)."""
-    cells = json.loads(notebook.read_text())["cells"]
-    first = next(c for c in cells if c["cell_type"] == "code")
-    chapter = notebook.stem.split("_")[0]
-    assert f'roadmap("{chapter}")' in "".join(first["source"]), f"{notebook.name}: its first code cell draws no roadmap"
-    assert any(o.get("data", {}).get("image/png") for o in first.get("outputs", [])), f"{notebook.name}: not drawn"
 
 
 def test_roadmap_refuses_an_unknown_chapter():
