@@ -375,6 +375,44 @@ def test_bench_serve_loads_a_server_given_by_base_url(small_server):
         bench_serve(quick=True, base_url="localhost:8000")
 
 
+def test_bench_serve_runs_the_chapter_code_beside_the_appendix_kernels(monkeypatch):
+    """``bench serve`` without ``--base-url`` loads its own server (the appendix's kernels), then a second one started
+    with ``--plain`` under the same load, stored as ``chapter_code`` and labelled; each server is stopped after its
+    load. (The servers and the load are stand-ins here: the loads themselves are tested above.)"""
+    from gpt2_core.bench import serve as bench
+    from gpt2_core.ch07_serving import launch
+
+    started, loaded = [], []
+
+    class Server:
+        def __init__(self, *args):
+            self.args, self.base_url, self.stopped = list(args), f"http://127.0.0.1:{9000 + len(started)}/v1", False
+            started.append(self)
+
+        def stop(self):
+            self.stopped = True
+            return 0
+
+    def load(base_url, quick, max_num_seqs, slos):
+        loaded.append(base_url)
+        return MODEL, {"capacity": {"requests_per_s": float(len(loaded))}, "results": [], "memory": {}}
+
+    monkeypatch.setattr(launch, "ServerProcess", Server)
+    monkeypatch.setattr(bench, "load_server", load)
+    out = bench.bench_serve(quick=True, max_num_seqs=2)
+    assert [s.args[-1] for s in started] == ["8", "--plain"] and all(s.stopped for s in started)
+    assert loaded == [s.base_url for s in started]
+    assert out["kernels"] == "cpu_kernels.accelerate" and out["capacity"]["requests_per_s"] == 1.0
+    plain = out["chapter_code"]
+    assert plain["kernels"] == "chapter code (serve --plain)" and plain["capacity"]["requests_per_s"] == 2.0
+    assert plain["server"]["args"] == out["server"]["args"] + ["--plain"]
+    started.clear()
+    assert "chapter_code" not in bench.bench_serve(quick=True, max_num_seqs=2, chapter_code=False)
+    assert len(started) == 1
+    started.clear()
+    assert "chapter_code" not in bench.bench_serve(quick=True, base_url="http://127.0.0.1:9/v1") and not started
+
+
 def test_the_hardening_flags_work_from_the_command_line():
     """``serve --api-key --allowed-origins --max-body-bytes --header-timeout-s --body-timeout-s --log-level info`` as
     typed: a wrong key is refused, /health stays open, CORS answers the allowed origin, a big body gets 413, a body

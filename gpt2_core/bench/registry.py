@@ -29,7 +29,7 @@ BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": be
 # How long each takes on this project's machine (2 cores, nothing else running), in minutes: (full size, --quick).
 # The README's table of benchmarks shows the same figures (tests/test_cli.py checks that they agree).
 MINUTES = {"kv-cache": (3, 1), "layout": (1, 1), "batching": (11, 2), "paged": (7, 1), "prefix": (22, 1),
-           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (5, 1), "capstone": (25, 2),
+           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (10, 1), "capstone": (25, 2),
            "spec": (14, 3)}
 
 
@@ -104,6 +104,12 @@ def _print_summary(out: dict) -> None:
             w(f"  {'':16s} prefix-cache hit rate {r['hit_rate']:.3f}, TTFT p50 {r['ttft_p50_s']:.3f} s, "
               f"p99 {r['ttft_p99_s']:.3f} s\n")
         if out["benchmark"] == "serve":  # its latencies, and goodput when --goodput set SLOs
+            w(summary_line(r))
+    if out["benchmark"] == "serve" and "chapter_code" in out:  # the same load on the chapters' own code
+        plain = out["chapter_code"]
+        w(f"  the chapter code (serve --plain): capacity {plain['capacity']['requests_per_s']:.2f} requests/s\n")
+        for r in plain["results"]:
+            w(f"  {r['method']:16s} batch {r['batch']:>3}  {r['tokens_per_s']:9.2f} tok/s\n")
             w(summary_line(r))
     for r in out.get("bubble", []):
         w(f"  pipeline bubble, {r['micro_batches']} micro-batches: measured {r['bubble_measured']:.3f}, "

@@ -14,8 +14,9 @@ fraction of all the requests sent that did (DistServe's measure; a refused reque
 request's time per output token after the first, (end-to-end - TTFT) / (tokens - 1).
 
 Without ``--base-url`` it starts ``python -m gpt2_core serve`` (the embedded model, the appendix's kernels) on a
-free loopback port and stops it at the end. With ``--base-url http://host:port/v1`` the same client and workload
-load any OpenAI-compatible server (vLLM, SGLang, llama.cpp's server): compare a production engine with this one on
+free loopback port and stops it at the end, then does the same with ``serve --plain`` (the chapters' own NumPy code,
+the result's ``chapter_code``), so that the stored run shows the code the chapter teaches beside the faster one.
+With ``--base-url http://host:port/v1`` the same client and workload load any OpenAI-compatible server (vLLM, SGLang, llama.cpp's server): compare a production engine with this one on
 the same trace. Prompts are text: windows of the held-out Austen chapters.
 """
 
@@ -276,30 +277,52 @@ async def run_load(base_url: str, model: str, quick: bool, num_seqs: int, slos: 
                                                     if r["reject_latency_max_s"] is not None), default=None)}}
 
 
+def load_server(base_url: str, quick: bool, max_num_seqs: int, slos: dict) -> tuple[str, dict]:
+    """``run_load`` against the server at ``base_url`` (its first model) -> (the model's id, what the load saw)."""
+    import httpx
+
+    models = httpx.get(base_url.rstrip("/") + "/models", timeout=30).json()["data"]
+    progress.advance(10, "warming up")
+    model = models[0]["id"]
+    return model, asyncio.run(run_load(base_url, model, quick, max_num_seqs, slos))
+
+
+def own_server(args: list[str], quick: bool, max_num_seqs: int, slos: dict) -> tuple[str, dict, dict]:
+    """``python -m gpt2_core serve ARGS`` started on a free loopback port, loaded (``load_server``), stopped.
+    -> (model id, what the load saw, the server's record)."""
+    from ..ch07_serving.launch import ServerProcess
+
+    server = ServerProcess(*args)
+    try:
+        model, out = load_server(server.base_url, quick, max_num_seqs, slos)
+    finally:
+        code = server.stop()
+    return model, out, {"base_url": "started here (loopback)", "args": args, "exit_code_after_sigterm": code}
+
+
 def bench_serve(quick: bool = False, base_url: str | None = None, max_num_seqs: int = 16,
-                goodput: list[str] | None = None) -> dict:
+                goodput: list[str] | None = None, chapter_code: bool = True) -> dict:
     """The load benchmark (see the module's docstring); ``base_url`` to load a server already running; ``goodput``
-    the SLOs of vLLM's ``--goodput`` (``["ttft:500", "tpot:50"]``, milliseconds) to count goodput against."""
+    the SLOs of vLLM's ``--goodput`` (``["ttft:500", "tpot:50"]``, milliseconds) to count goodput against.
+
+    Without ``base_url`` it loads its own server, with the appendix's kernels as ``serve`` runs by default, and then
+    (``chapter_code``) a second one started with ``--plain``, the chapters' NumPy code, under the same load (its own
+    capacity, the same multiples of it): that run is the result's ``chapter_code``."""
     slos = parse_goodput(goodput)
     if base_url is not None and not re.match(r"^https?://[^/]+(/.*)?$", base_url):
         raise InvalidInputError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
-    progress.plan(10 + 10 + 15 + 70 * len(RATE_MULTIPLES), "starting the server")  # units: rough seconds, full size
-    server, args = None, ["--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs)]
-    if base_url is None:
-        from ..ch07_serving.launch import ServerProcess
-
-        server = ServerProcess(*args)
-        base_url = server.base_url
-    try:
-        import httpx
-
-        models = httpx.get(base_url.rstrip("/") + "/models", timeout=30).json()["data"]
-        progress.advance(10, "warming up")
-        model = models[0]["id"]
-        out = asyncio.run(run_load(base_url, model, quick, max_num_seqs, slos))
-    finally:
-        code = server.stop() if server is not None else None
-    return {"benchmark": "serve", "quick": quick, "model": model,
-            "kernels": "cpu_kernels.accelerate" if server is not None else None,
-            "server": {"base_url": base_url if server is None else "started here (loopback)",
-                       "args": args if server is not None else None, "exit_code_after_sigterm": code}, **out}
+    servers = 1 if base_url is not None or not chapter_code else 2
+    progress.plan(servers * (10 + 10 + 15 + 70 * len(RATE_MULTIPLES)), "starting the server")  # rough seconds
+    if base_url is not None:
+        model, out = load_server(base_url, quick, max_num_seqs, slos)
+        return {"benchmark": "serve", "quick": quick, "model": model, "kernels": None,
+                "server": {"base_url": base_url, "args": None, "exit_code_after_sigterm": None}, **out}
+    args = ["--max-num-seqs", str(max_num_seqs), "--max-waiting", str(4 * max_num_seqs)]
+    model, out, server = own_server(args, quick, max_num_seqs, slos)
+    result = {"benchmark": "serve", "quick": quick, "model": model, "kernels": "cpu_kernels.accelerate",
+              "server": server, **out}
+    if chapter_code:
+        progress.advance(0, "the chapter code's server (serve --plain)")
+        _, plain, server = own_server(args + ["--plain"], quick, max_num_seqs, slos)
+        result["chapter_code"] = {"kernels": "chapter code (serve --plain)", "server": server, **plain}
+    return result
