@@ -58,6 +58,19 @@ def test_summarize_adds_goodput_only_when_slos_are_given():
     assert "goodput" not in summary_line(plain)
 
 
+def test_summarize_counts_what_went_wrong_by_kind():
+    """A request never answered (no status, the client's exception), one cut mid-stream and a 500 are counted by
+    kind, so that a stored run says what its other_errors were; refusals (429) are not errors."""
+    cut = {**record(0.1, 0.5, 3), "complete": False, "error": "RemoteProtocolError: peer closed connection"}
+    never = {**record(None, None, 0, status=None), "error": "ConnectTimeout: "}
+    out = summarize([FAST, cut, never, record(None, 0.01, 0, status=500), record(None, 0.01, 0, status=429)],
+                    sent=5, unanswered=0, rate=1.0, sent_s=2.0, wall=2.0)
+    assert out["errors"] == {"ConnectTimeout: ": 1, "HTTP 500": 1, "RemoteProtocolError: peer closed connection": 1}
+    assert out["other_errors"] == 2 and out["lost"] == 1 and out["rejected"] == 1
+    assert summarize([FAST], 1, 0, 1.0, 2.0, 2.0)["errors"] == {}
+    assert "errors: 1 x ConnectTimeout: , 1 x HTTP 500" in summary_line(out)
+
+
 def test_goodput_flags_are_read_as_vllm_reads_them():
     assert parse_goodput(["ttft:500", "tpot:50", "e2el:2000.5"]) == {"ttft": 0.5, "tpot": 0.05, "e2el": 2.0005}
     assert parse_goodput(None) == {}

@@ -205,7 +205,17 @@ def summary_line(r: dict) -> str:
         attained = "n/a" if r["slo_attainment"] is None else f"{100 * r['slo_attainment']:.1f}%"
         line += (f"; goodput {r['goodput_requests_per_s']:.2f} req/s of {r['requests_per_s']:.2f} "
                  f"(SLO attainment {attained})")
+    if r.get("errors"):
+        line += "; errors: " + ", ".join(f"{n} x {kind}" for kind, n in r["errors"].items())
     return line + "\n"
+
+
+def error_kinds(records: list) -> dict[str, int]:
+    """What went wrong, counted by kind: an answer other than 200, 429 or 503 by its status, a request cut or never
+    answered by the client's exception (``Client.complete``'s ``error``)."""
+    kinds = [r["error"] if r.get("error") else f"HTTP {r['status']}" for r in records
+             if r.get("error") or r["status"] not in (200, 429, 503)]
+    return {k: kinds.count(k) for k in sorted(set(kinds))}
 
 
 def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: float, wall: float,
@@ -224,6 +234,7 @@ def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: fl
     out = {"request_rate": rate, "sent": sent, "sent_over_s": sent_s, "wall_s": wall, "accepted": len(accepted),
            "completed": len(ok), "lost": len(accepted) - len(ok), "rejected": len(rejected),
            "other_errors": sum(r["status"] not in (200, 429, 503) for r in records),
+           "errors": error_kinds(records),
            "output_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
            "requests_per_s": len(ok) / wall if wall else 0.0,
            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
