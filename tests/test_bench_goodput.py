@@ -59,16 +59,20 @@ def test_summarize_adds_goodput_only_when_slos_are_given():
 
 
 def test_summarize_counts_what_went_wrong_by_kind():
-    """A request never answered (no status, the client's exception), one cut mid-stream and a 500 are counted by
-    kind, so that a stored run says what its other_errors were; refusals (429) are not errors."""
+    """Requests never answered (no status: the client's exception), one cut mid-stream, a 500 and those still
+    unanswered after the drain are counted by kind, an exception by its type whatever its message, with one message
+    kept per kind; refusals (429) are not errors."""
     cut = {**record(0.1, 0.5, 3), "complete": False, "error": "RemoteProtocolError: peer closed connection"}
-    never = {**record(None, None, 0, status=None), "error": "ConnectTimeout: "}
-    out = summarize([FAST, cut, never, record(None, 0.01, 0, status=500), record(None, 0.01, 0, status=429)],
-                    sent=5, unanswered=0, rate=1.0, sent_s=2.0, wall=2.0)
-    assert out["errors"] == {"ConnectTimeout: ": 1, "HTTP 500": 1, "RemoteProtocolError: peer closed connection": 1}
-    assert out["other_errors"] == 2 and out["lost"] == 1 and out["rejected"] == 1
+    never = [{**record(None, None, 0, status=None), "error": f"ConnectTimeout: attempt {i}"} for i in range(2)]
+    out = summarize([FAST, cut, *never, record(None, 0.01, 0, status=500), record(None, 0.01, 0, status=429)],
+                    sent=7, unanswered=1, rate=1.0, sent_s=2.0, wall=2.0)
+    assert out["errors"] == {"ConnectTimeout": 2, "HTTP 500": 1, "RemoteProtocolError": 1,
+                             "unanswered when the drain ended": 1}
+    assert out["error_examples"]["ConnectTimeout"] == "ConnectTimeout: attempt 0"
+    assert out["error_examples"]["RemoteProtocolError"] == "RemoteProtocolError: peer closed connection"
+    assert out["other_errors"] == 3 and out["lost"] == 2 and out["rejected"] == 1
     assert summarize([FAST], 1, 0, 1.0, 2.0, 2.0)["errors"] == {}
-    assert "errors: 1 x ConnectTimeout: , 1 x HTTP 500" in summary_line(out)
+    assert "errors: 2 x ConnectTimeout, 1 x HTTP 500" in summary_line(out)
 
 
 def test_goodput_flags_are_read_as_vllm_reads_them():

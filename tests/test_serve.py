@@ -387,6 +387,7 @@ def test_bench_serve_runs_the_chapter_code_beside_the_appendix_kernels(monkeypat
     class Server:
         def __init__(self, *args):
             self.args, self.base_url, self.stopped = list(args), f"http://127.0.0.1:{9000 + len(started)}/v1", False
+            self.running_beside = [s for s in started if not s.stopped]  # servers still up when this one starts
             started.append(self)
 
         def stop(self):
@@ -401,6 +402,7 @@ def test_bench_serve_runs_the_chapter_code_beside_the_appendix_kernels(monkeypat
     monkeypatch.setattr(bench, "load_server", load)
     out = bench.bench_serve(quick=True, max_num_seqs=2)
     assert [s.args[-1] for s in started] == ["8", "--plain"] and all(s.stopped for s in started)
+    assert not started[1].running_beside  # one after the other: two servers would share the two cores
     assert loaded == [s.base_url for s in started]
     assert out["kernels"] == "cpu_kernels.accelerate" and out["capacity"]["requests_per_s"] == 1.0
     plain = out["chapter_code"]

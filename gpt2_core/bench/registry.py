@@ -29,7 +29,7 @@ BENCHMARKS = {"kv-cache": bench_kv_cache, "layout": bench_layout, "batching": be
 # How long each takes on this project's machine (2 cores, nothing else running), in minutes: (full size, --quick).
 # The README's table of benchmarks shows the same figures (tests/test_cli.py checks that they agree).
 MINUTES = {"kv-cache": (3, 1), "layout": (1, 1), "batching": (11, 2), "paged": (7, 1), "prefix": (22, 1),
-           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (10, 1), "capstone": (25, 2),
+           "padding": (1, 1), "quant": (6, 1), "parallel": (15, 2), "serve": (10, 2), "capstone": (25, 2),
            "spec": (14, 3)}
 
 

@@ -16,8 +16,9 @@ request's time per output token after the first, (end-to-end - TTFT) / (tokens -
 Without ``--base-url`` it starts ``python -m gpt2_core serve`` (the embedded model, the appendix's kernels) on a
 free loopback port and stops it at the end, then does the same with ``serve --plain`` (the chapters' own NumPy code,
 the result's ``chapter_code``), so that the stored run shows the code the chapter teaches beside the faster one.
-With ``--base-url http://host:port/v1`` the same client and workload load any OpenAI-compatible server (vLLM, SGLang, llama.cpp's server): compare a production engine with this one on
-the same trace. Prompts are text: windows of the held-out Austen chapters.
+With ``--base-url http://host:port/v1`` the same client and workload load any OpenAI-compatible server (vLLM,
+SGLang, llama.cpp's server): compare a production engine with this one on the same trace. Prompts are text:
+windows of the held-out Austen chapters.
 """
 
 from __future__ import annotations
@@ -210,12 +211,25 @@ def summary_line(r: dict) -> str:
     return line + "\n"
 
 
-def error_kinds(records: list) -> dict[str, int]:
-    """What went wrong, counted by kind: an answer other than 200, 429 or 503 by its status, a request cut or never
-    answered by the client's exception (``Client.complete``'s ``error``)."""
-    kinds = [r["error"] if r.get("error") else f"HTTP {r['status']}" for r in records
-             if r.get("error") or r["status"] not in (200, 429, 503)]
-    return {k: kinds.count(k) for k in sorted(set(kinds))}
+def error_kinds(records: list, unanswered: int = 0) -> tuple[dict[str, int], dict[str, str]]:
+    """What went wrong, counted by kind: an answer other than 200, 429 or 503 by its status (``HTTP 500``), a request
+    whose stream or connection failed by the client's exception type (``Client.complete``'s ``error``), and requests
+    still unanswered when the drain ended. -> (count per kind, one message per kind). A request cut mid-stream
+    counts here and in ``lost``; ``other_errors`` counts only the requests without a 200, 429 or 503."""
+    counts, examples = {}, {}
+    for r in records:
+        if r.get("error"):
+            kind, message = r["error"].split(":", 1)[0], r["error"]
+        elif r["status"] not in (200, 429, 503):
+            kind = message = f"HTTP {r['status']}"
+        else:
+            continue
+        counts[kind] = counts.get(kind, 0) + 1
+        examples.setdefault(kind, message)
+    if unanswered:
+        kind = "unanswered when the drain ended"
+        counts[kind], examples[kind] = unanswered, kind
+    return dict(sorted(counts.items())), dict(sorted(examples.items()))
 
 
 def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: float, wall: float,
@@ -231,10 +245,11 @@ def summarize(records: list, sent: int, unanswered: int, rate: float, sent_s: fl
     rest = [r["ttft_s"] for r in ok if r["priority"] != 0 and r["ttft_s"] is not None]
     reject_s = [r["e2e_s"] for r in rejected]
     tpot = [request_slo_values(r)["tpot"] for r in ok]
+    errors, examples = error_kinds(records, unanswered)
     out = {"request_rate": rate, "sent": sent, "sent_over_s": sent_s, "wall_s": wall, "accepted": len(accepted),
            "completed": len(ok), "lost": len(accepted) - len(ok), "rejected": len(rejected),
            "other_errors": sum(r["status"] not in (200, 429, 503) for r in records),
-           "errors": error_kinds(records),
+           "errors": errors, "error_examples": examples,
            "output_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
            "requests_per_s": len(ok) / wall if wall else 0.0,
            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
