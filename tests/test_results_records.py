@@ -5,6 +5,7 @@ GEMM rate measured just before)."""
 
 import json
 import re
+import subprocess
 from functools import cache
 
 import pytest
@@ -52,6 +53,22 @@ def host_of(machine: dict) -> str:
     return f"{cpu} ({(machine.get('blas') or [{}])[0].get('architecture')})"
 
 
+def last_commit(path) -> tuple[str, str] | None:
+    """(abbreviated hash, date) of the last commit that wrote ``path``, or None outside a git checkout with its
+    history (a shallow clone knows only its newest commits)."""
+    try:
+        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=30)
+        if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+            return None
+        out = subprocess.run(["git", "log", "-1", "--abbrev=7", "--format=%h %ad", "--date=short", "--", str(path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    fields = out.stdout.split()
+    return (fields[0], fields[1]) if out.returncode == 0 and len(fields) == 2 else None
+
+
 def minutes(seconds: float) -> str:
     whole = round(seconds)
     return f"{whole // 60} min {whole % 60} s"
@@ -69,8 +86,12 @@ def test_the_benchmarks_readme_table_is_the_stored_runs_own_record(path):
     result = json.loads(path.read_text())
     recorded = result.get("recorded")
     assert host == host_of(result.get("machine", {})), f"{path.name}: host {host!r}"
-    if recorded is None:  # made before runs were recorded: the machine record's load
+    if recorded is None:  # made before runs were recorded: the machine record's load, the commit that last wrote it
         assert load == f"{result['machine']['load_average_1min']:.2f}", f"{path.name}: load {load!r}"
+        assert run_time == "not recorded", f"{path.name}: run time {run_time!r} is in no record"
+        last = last_commit(path)
+        if last is not None:
+            assert made == f"{last[1]} (last written in `{last[0]}`)", f"{path.name}: made {made!r}, git says {last}"
         return
     assert made == f"{recorded['executed'][:10]} (`{recorded['commit'][:7]}`)", f"{path.name}: made {made!r}"
     assert load == f"{recorded['load_1min_start']:.2f}", f"{path.name}: load {load!r}"
