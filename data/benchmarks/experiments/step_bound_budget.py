@@ -9,15 +9,17 @@ standard one and a trace of longer prompts read through ``load_trace`` (what ``b
 ``N`` rounds each, the machine read between them (the best readings price every round, as the capstone does). Then
 it takes a 32-row decode step apart (``step_anatomy``) and adds what no kernel of any library avoids:
 
-- ``serial_bound``: the per-step bound if a step's K/V reads cannot hide under its matmuls (attention runs between
-  the product that makes its queries and the one that takes its output, so in a layer-by-layer forward they add);
+- ``serial_bound``: the per-step bound with attention (the longer of its FLOP and K/V-byte times) added to the
+  matmuls instead of hidden under them (attention runs between the product that makes its queries and the one that
+  takes its output, so in a layer-by-layer forward they add);
 - ``attention_floor_s``: the 32-row step's cached K/V bytes over the measured bandwidth;
 - ``step_matmuls_s``, ``torch_matmuls_s``: the step's 49 products alone, in its order, each weight read once, with
   the package's kernels and in PyTorch (if installed: the other library at hand), timed beside every reading of
-  the machine and the best kept, as the bound keeps its best readings;
-- ``reachable``: the bound's price of the step's matmuls over (the faster library's products + the attention
-  floor): the most of its per-step bound a 32-row step can reach with layer norms, GELU, residuals
-  and Python at zero.
+  the machine; the best reading (as the bound keeps its best readings) and, ``*_median_s``, the median;
+- ``reachable`` (and ``reachable_median``): the bound's price of the step's products (``matmul_s``: the block
+  products and the head at the bound's rates) over (the faster library's products + the attention floor): about
+  the most of its per-step bound a 32-row step can reach with layer norms, GELU, residuals and Python at zero
+  (attention's own FLOPs, a few percent of the step's, left out of both).
 
 Needs numba (the slot store); about 5 minutes on 2 cores. Run it alone on the machine.
 """
@@ -46,13 +48,15 @@ LONG_PROMPTS = {"num_requests": 32, "request_rate": 4.0, "seed": 1, "prompt_len"
 
 
 def serial_seconds(config, steps, weight_bytes: int, rates: dict, bytes_per_s: float) -> float:
-    """``per_step_bound``'s total with each step's cached K/V bytes added to, not hidden under, its FLOP time."""
+    """``per_step_bound``'s total with each step's attention taken out from under its matmuls: the matmuls at the
+    longer of their FLOP and weight-byte times, then attention at the longer of its FLOP and cached-K/V-byte times."""
     kv = 2 * config.n_layer * config.n_embd * 4
     total = 0.0
     for chunks in steps:
         flop_s, byte_s = step_seconds(config, chunks, weight_bytes, rates, bytes_per_s)
+        attention_flop_s = 4 * config.n_embd * config.n_layer * sum(q * k for q, k, _ in chunks) / max(rates["blocks"])
         kv_s = kv * sum(k - q for q, k, _ in chunks) / bytes_per_s
-        total += max(flop_s, byte_s - kv_s) + kv_s
+        total += max(flop_s - attention_flop_s, byte_s - kv_s) + max(attention_flop_s, kv_s)
     return total
 
 
@@ -86,6 +90,14 @@ def torch_matmuls(model, rows: int):
             for w in weights:
                 inputs[w.shape[0]] @ w
     return run
+
+
+def torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.__version__
 
 
 def main() -> None:
@@ -122,21 +134,25 @@ def main() -> None:
         read()
     limits, rates, _ = machine.best()
     anatomy = C.step_anatomy(model, rates, standard)
-    # the products alone at their best reading, as the bound takes the best of its readings
-    anatomy["step_matmuls_s"] = min(matmuls["numpy"])
-    anatomy["matmul_ceiling"] = anatomy["matmul_s"] / anatomy["step_matmuls_s"]
-    anatomy["torch_matmuls_s"] = min(matmuls["torch"]) if matmuls["torch"] else None
+    # The products alone, read beside each reading of the machine: at their best reading (as the bound takes the best
+    # of its readings) and at their median; step_anatomy's own reading, at the end, is kept as step_matmuls_end_s.
+    anatomy["step_matmuls_end_s"] = anatomy.pop("step_matmuls_s")
     kv = 2 * model.config.n_layer * model.config.n_embd * 4 * anatomy["batch"] * anatomy["context"]
     anatomy["attention_floor_s"] = kv / limits["bytes_per_s"]
-    fastest = min(t for t in (anatomy["step_matmuls_s"], anatomy["torch_matmuls_s"]) if t is not None)
-    anatomy["reachable"] = anatomy["matmul_s"] / (fastest + anatomy["attention_floor_s"])
+    for label, pick in (("", min), ("_median", lambda v: float(np.median(v)))):
+        numpy_s, torch_s = pick(matmuls["numpy"]), pick(matmuls["torch"]) if matmuls["torch"] else None
+        anatomy[f"step_matmuls{label}_s"], anatomy[f"torch_matmuls{label}_s"] = numpy_s, torch_s
+        anatomy[f"matmul_ceiling{label}"] = anatomy["matmul_s"] / numpy_s
+        fastest = min(t for t in (numpy_s, torch_s) if t is not None)
+        anatomy[f"reachable{label}"] = anatomy["matmul_s"] / (fastest + anatomy["attention_floor_s"])
     git = ["git", "-C", os.path.dirname(os.path.abspath(__file__))]
     commit = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
     out = {"machine": machine_at_start, "load_1min_start": load, "rounds": args.rounds,
            "command": " ".join(["python"] + sys.argv), "commit": commit + ("+dirty" if dirty.stdout.strip() else ""),
            "limits": limits, "limits_readings": machine.limits, "gemm_rates_by_rows": rates,
-           "step_matmuls_readings_s": matmuls, "workloads": {}}
+           "step_matmuls_readings_s": matmuls, "torch": torch_version(), "long_prompts_trace": LONG_PROMPTS,
+           "workloads": {}}
     for name, rows in runs.items():
         each = [priced(row, limits, rates, model.config) for row in rows]
         out["workloads"][name] = {
@@ -146,18 +162,24 @@ def main() -> None:
             "median_fraction_of_step_bound": float(np.median([e["fraction_of_step_bound"] for e in each])),
             "median_fraction_of_serial_bound": float(np.median([e["tokens_per_s"] / e["serial_bound_tokens_per_s"]
                                                                 for e in each])),
+            "by_rows_median": [{"rows": b["rows"], "steps": b["steps"], "mean_rows": b["mean_rows"],
+                                "bound_s": b["bound_s"],
+                                "forward_s": float(np.median([e["by_rows"][i]["forward_s"] for e in each])),
+                                "fraction": float(np.median([e["by_rows"][i]["fraction"] for e in each]))}
+                               for i, b in enumerate(each[0]["by_rows"])],
             "rounds": each}
     out["step_anatomy"] = anatomy
     out["duration_s"] = time.perf_counter() - t_start
     for name, w in out["workloads"].items():
         print(f"{name}: {w['median_fraction_of_step_bound']:.0%} of the per-step bound, "
               f"{w['median_fraction_of_serial_bound']:.0%} of the serial bound (median of {args.rounds})")
-        for b in w["rounds"][len(w["rounds"]) // 2]["by_rows"]:
+        for b in w["by_rows_median"]:
             print(f"  rows {b['rows']:>7s}: {b['steps']:3d} steps, bound {b['bound_s']:.2f} s, "
-                  f"model {b['forward_s']:.2f} s ({b['fraction']:.0%})")
+                  f"model {b['forward_s']:.2f} s ({b['fraction']:.0%}; medians of the rounds)")
     ms = {k: round(v * 1e3, 1) for k, v in anatomy.items() if k.endswith("_s") and v is not None}
-    print(f"32-row step (ms): {ms}; matmul_ceiling {anatomy['matmul_ceiling']:.0%}, reachable "
-          f"{anatomy['reachable']:.0%}")
+    print(f"32-row step (ms): {ms}; matmul_ceiling {anatomy['matmul_ceiling']:.0%} (median reading "
+          f"{anatomy['matmul_ceiling_median']:.0%}), reachable {anatomy['reachable']:.0%} (median reading "
+          f"{anatomy['reachable_median']:.0%})")
     print(f"limits: {limits['bytes_per_s'] / 1e9:.1f} GB/s, {limits['gemm_flops_per_s'] / 1e9:.0f} GFLOP/s; "
           f"load at start {load:.2f}; {out['duration_s'] / 60:.1f} min")
     if args.out:
