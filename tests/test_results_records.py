@@ -16,8 +16,13 @@ assert RESULTS, "no stored results found"
 
 
 @cache
+def notebook_texts() -> dict[str, str]:
+    """Each notebook's text, by its name without the suffix."""
+    return {p.stem: p.read_text() for p in sorted((ROOT / "notebooks").glob("*.ipynb"))}
+
+
 def notebooks_text() -> str:
-    return "".join(p.read_text() for p in (ROOT / "notebooks").glob("*.ipynb"))
+    return "".join(notebook_texts().values())
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=[p.stem for p in RESULTS])
@@ -39,6 +44,7 @@ def test_a_stored_result_is_plotted_or_quoted_by_a_notebook(path):
     assert f"results/{path.name}" in notebooks_text(), f"{path.name} is shown by no notebook"
 
 
+@cache
 def stored_runs_table() -> dict[str, list[str]]:
     """``data/benchmarks/README.md``'s table of the stored runs, by file: its cells after the file's."""
     text = (ROOT / "data" / "benchmarks" / "README.md").read_text()
@@ -81,7 +87,7 @@ def test_the_benchmarks_readme_table_is_the_stored_runs_own_record(path):
     table = stored_runs_table()
     assert path.name in table, f"data/benchmarks/README.md: no row for {path.name}"
     made, host, load, run_time, readers = table[path.name]
-    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb") if f"results/{path.name}" in p.read_text())
+    notebooks = [name for name, text in notebook_texts().items() if f"results/{path.name}" in text]
     assert readers == ", ".join(f"`{n}`" for n in notebooks), f"{path.name}: read by {readers!r}, not {notebooks}"
     result = json.loads(path.read_text())
     recorded = result.get("recorded")
